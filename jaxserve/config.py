@@ -1,0 +1,46 @@
+"""Frozen configuration of a jaxserve process, built once by the CLI (flags + YAML --config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """Weight, tokenizer and compilation caches live here unless --cache-dir says otherwise."""
+    env = os.environ.get("JAXSERVE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxserve"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str  # HF directory, .gguf file, or a directory holding one .gguf
+    served_model_name: str
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    max_model_len: int | None = None  # None -> the model's max_position_embeddings
+    chat_template: str | None = None  # template text or a file; overrides the checkpoint's
+    weight_cache: bool = True  # convert once to an orbax checkpoint, restore later
+    cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    parallel: ParallelConfig
+    server: ServerConfig

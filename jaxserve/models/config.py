@@ -1,0 +1,202 @@
+"""Architecture description of a decoder-only model, parsed from a Hugging Face config.json.
+
+One frozen dataclass describes every supported family; the differences between Llama, Mistral,
+Qwen2, Qwen3 and Gemma2 are a handful of switches (biases, q/k norms, sandwich norms, soft-caps,
+per-layer sliding windows). The model code reads only this, never the raw HF dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model jaxserve cannot run; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    # Biases: Llama's `attention_bias` covers q/k/v/o; Qwen2 has q/k/v bias only.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Qwen3: RMSNorm over head_dim on q and k before RoPE.
+    qk_norm: bool = False
+    # Gemma2: RMSNorm scales by (1 + w), norms after attention and around the MLP,
+    # embeddings scaled by sqrt(hidden), tanh soft-caps on attention and final logits.
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_scale: float = 0.0  # 0 -> head_dim ** -0.5
+    # Per-layer sliding window in tokens (0 = full attention); a query at position p sees keys at
+    # positions p - window + 1 .. p, as HF's sliding-window masks do.
+    layer_windows: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's own dtype, used by --dtype auto
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale or self.head_dim**-0.5
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def windows(self) -> tuple[int, ...]:
+        return self.layer_windows or (0,) * self.num_layers
+
+
+def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    return default if value is None else value
+
+
+def _rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(
+            f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+        )
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos(cfg: dict[str, Any]) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    window = cfg.get("sliding_window") or 0
+    layer_types = cfg.get("layer_types")
+    if arch == "MistralForCausalLM":
+        return (int(window),) * num_layers
+    if arch == "Gemma2ForCausalLM" and not layer_types:
+        # Gemma2 alternates: even layers slide, odd layers see everything.
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not layer_types:
+        if cfg.get("use_sliding_window") and window:
+            first_full = int(_get(cfg, "max_window_layers", num_layers))
+            layer_types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers)]
+    if not layer_types:
+        return (0,) * num_layers
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if any(t == "sliding_attention" for t in layer_types) and not window:
+        raise UnsupportedModelError("layer_types asks for sliding attention but sliding_window is not set")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
+
+
+def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
+    """Parse a Hugging Face config.json dict; raises UnsupportedModelError naming what is missing."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"architecture {archs or '(none given)'} is not supported; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(_get(cfg, "num_key_value_heads", heads))
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    num_layers = int(cfg["num_hidden_layers"])
+    head_dim = int(_get(cfg, "head_dim", hidden // heads))
+    act = _get(cfg, "hidden_act", None) or _get(cfg, "hidden_activation", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"hidden activation {act!r} is not supported (silu, gelu_pytorch_tanh, gelu)")
+    common = dict(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope=_rope(cfg),
+        hidden_act=act,
+        layer_windows=_layer_windows(cfg, arch, num_layers),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg),
+        dtype=str(_get(cfg, "dtype", None) or _get(cfg, "torch_dtype", "float32")),
+    )
+    if arch == "Gemma2ForCausalLM":
+        return DecoderConfig(
+            **common,
+            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
+            qkv_bias=bool(_get(cfg, "attention_bias", False)),
+            o_bias=bool(_get(cfg, "attention_bias", False)),
+            norm_weight_offset=1.0,
+            sandwich_norms=True,
+            embed_scale=math.sqrt(hidden),
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            query_scale=float(_get(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
+        )
+    tie = bool(_get(cfg, "tie_word_embeddings", False))
+    if arch == "Qwen2ForCausalLM":
+        return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=True)
+    if arch == "Qwen3ForCausalLM":
+        bias = bool(_get(cfg, "attention_bias", False))
+        return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    bias = bool(_get(cfg, "attention_bias", False))
+    return DecoderConfig(
+        **common,
+        tie_word_embeddings=tie,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(_get(cfg, "mlp_bias", False)),
+    )

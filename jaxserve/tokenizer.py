@@ -1,0 +1,291 @@
+"""Tokenizer: the model's HF fast tokenizer, sandboxed chat templates, incremental detokenizing.
+
+Two rules shape this module:
+- Text from a user is never parsed into special tokens. Only the chat template may put them in;
+  a user who types "<|im_end|>" gets the characters, not the control token.
+- Streaming never shows half a character: text is released only once its bytes are complete, and
+  the concatenated stream equals the full decode of the same tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+REPLACEMENT_CHAR = "\ufffd"
+# Private-use code points mark user text inside a rendered template (see encode_chat).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK_RE = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, invalid, or raised while rendering."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # Same options HF uses for chat templates, so templates render identically; the sandbox stops
+    # a template (which comes from a checkpoint or a request) from reaching Python internals.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _environment()
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat templates. Wraps a HF PreTrainedTokenizerFast."""
+
+    def __init__(self, hf: Any, chat_template: str | None = None):
+        self.hf = hf
+        self.chat_template = chat_template or getattr(hf, "chat_template", None)
+        self.special_ids = frozenset(hf.all_special_ids) | frozenset(
+            i for i, t in hf.added_tokens_decoder.items() if t.special
+        )
+        self._special_strings = sorted(
+            (t.content for t in hf.added_tokens_decoder.values() if t.special), key=len, reverse=True
+        )
+        self._templates: dict[str, jinja2.Template] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    # ---- encoding -------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of user text; special-token strings in it stay plain text."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise ChatTemplateError("this model has no chat template; pass chat_template or use completions")
+        compiled = self._templates.get(template)
+        if compiled is None:
+            try:
+                compiled = _ENV.from_string(template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(f"invalid chat template: {e}") from e
+            if len(self._templates) < 64:
+                self._templates[template] = compiled
+        variables = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        variables.update(chat_template_kwargs or {})
+        try:
+            return compiled.render(
+                **variables, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
+        except Exception as e:  # any error inside a user-supplied template is the user's input error
+            raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Render and tokenize a conversation. Special tokens come only from the template."""
+        if not any(self._holds_special(m) for m in messages):
+            # The common case: identical to HF's apply_chat_template(tokenize=True).
+            return self.hf.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        # Some user text spells a special token. Render with placeholders in its place, then
+        # tokenize template text with special tokens and user text without.
+        texts: list[str] = []
+        marked = [self._mark(m, texts) for m in messages]
+        rendered = self.render_chat(marked, **kwargs)
+        ids: list[int] = []
+        pos = 0
+        for match in _MARK_RE.finditer(rendered):
+            ids += self.hf.encode(rendered[pos : match.start()], add_special_tokens=False)
+            ids += self.encode(texts[int(match.group(1))], add_special_tokens=False)
+            pos = match.end()
+        return ids + self.hf.encode(rendered[pos:], add_special_tokens=False)
+
+    def _holds_special(self, message: dict[str, Any]) -> bool:
+        return any(s in text for text in _texts(message) for s in self._special_strings)
+
+    def _mark(self, message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+        def mark(text: str) -> str:
+            texts.append(text)
+            return f"{_MARK_OPEN}{len(texts) - 1}{_MARK_CLOSE}"
+
+        content = message.get("content")
+        if isinstance(content, str):
+            return {**message, "content": mark(content)}
+        if isinstance(content, list):
+            parts = [{**p, "text": mark(p["text"])} if isinstance(p.get("text"), str) else p for p in content]
+            return {**message, "content": parts}
+        return message
+
+    # ---- decoding -------------------------------------------------------------------------
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        """Decode like HF's slow tokenizers do: text runs decoded together, special tokens kept
+        (or skipped) as their own pieces, joined by a space when spaces_between_special_tokens."""
+        ids = list(ids)
+        specials = [i for i in ids if i in self.special_ids]
+        if not specials or skip_special_tokens:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        pieces: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    pieces.append(self.hf.decode(run, clean_up_tokenization_spaces=False))
+                    run = []
+                pieces.append(self.hf.convert_ids_to_tokens(i))
+            else:
+                run.append(i)
+        if run:
+            pieces.append(self.hf.decode(run, clean_up_tokenization_spaces=False))
+        return (" " if spaces_between_special_tokens else "").join(pieces)
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def load_tokenizer(
+    directory: Path, gguf_file: str | None = None, chat_template: str | None = None, cache_dir: Path | None = None
+) -> Tokenizer:
+    """The tokenizer of a HF directory, or the one embedded in a GGUF file's metadata.
+
+    chat_template overrides the checkpoint's template (a template string or a path to a file).
+    Building a tokenizer from GGUF metadata takes ~25 s for a 49k vocabulary, so with cache_dir
+    the converted tokenizer is saved once (keyed by the file's size and mtime) and reloaded."""
+    from transformers import AutoTokenizer
+
+    if gguf_file is None:
+        hf = AutoTokenizer.from_pretrained(directory)
+        embedded = None
+    else:
+        path = Path(directory) / gguf_file
+        cached = _gguf_tokenizer_cache(path, cache_dir)
+        if cached is not None and (cached / _GGUF_META_FILE).exists():
+            hf = AutoTokenizer.from_pretrained(cached)
+            meta = json.loads((cached / _GGUF_META_FILE).read_text())
+        else:
+            hf = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+            meta = _gguf_tokenizer_meta(path)
+            if cached is not None:
+                hf.save_pretrained(cached)
+                (cached / _GGUF_META_FILE).write_text(json.dumps(meta))
+        # transformers' GGUF conversion can mislabel special tokens (it names <|im_start|> as
+        # SmolLM2's EOS); the file's own metadata is authoritative.
+        for role in ("bos", "eos", "unk", "pad"):
+            if meta.get(role) is not None and meta[role] < len(hf):
+                setattr(hf, f"{role}_token", hf.convert_ids_to_tokens(meta[role]))
+        embedded = meta.get("chat_template")
+    if not hf.is_fast:
+        raise ValueError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
+    if chat_template and Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    return Tokenizer(hf, chat_template or embedded or getattr(hf, "chat_template", None))
+
+
+_GGUF_META_FILE = "gguf_tokenizer_meta.json"
+
+
+def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
+    if cache_dir is None:
+        return None
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return Path(cache_dir).expanduser() / "tokenizers" / key
+
+
+def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
+    from jaxserve.weights.gguf_file import field, open_gguf
+
+    reader = open_gguf(path)
+    meta: dict[str, Any] = {"chat_template": field(reader, "tokenizer.chat_template")}
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        value = field(reader, f"tokenizer.ggml.{key}_token_id")
+        meta[role] = None if value is None else int(value)
+    return meta
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text deltas for streaming.
+
+    Each step decodes a short window of recent tokens twice (with and without the new ones) and
+    emits the difference, so context-dependent decoding (leading spaces, merged byte tokens)
+    matches a full decode. Text ending in U+FFFD is held back until the character's remaining
+    bytes arrive. `finish()` releases whatever is still held.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True, prompt_tail: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.spaces = spaces_between_special_tokens
+        # A few prompt tokens give the first output token its left context (e.g. whether a
+        # sentencepiece "▁" turns into a space); they are never emitted.
+        self.ids: list[int] = list(prompt_tail or [])
+        self.first_output = len(self.ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip, self.spaces)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append tokens; return the newly stable text (possibly empty)."""
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if after.endswith(REPLACEMENT_CHAR) or not after.startswith(before):
+            return ""  # wait for the rest of the character (or for a stable prefix)
+        delta = after[len(before) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Release held text: what the full decode of the output has beyond what was emitted."""
+        full = self.output_text()
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+    def output_text(self) -> str:
+        context = self._decode(self.ids[: self.first_output])
+        whole = self._decode(self.ids)
+        return whole[len(context) :] if whole.startswith(context) else self._decode(self.ids[self.first_output :])

@@ -1,0 +1,191 @@
+"""Build a ready Decoder from a checkpoint: map HF tensor names onto the model's parameters,
+convert dtype, stack layers, and place every array with its sharding straight from the source
+(each device shard is read from the memory-mapped file; no full copy on one device first)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.models.config import DecoderConfig, decoder_config_from_hf
+from jaxserve.models.decoder import Decoder
+from jaxserve.weights import orbax_cache
+from jaxserve.weights.safetensors_dir import WeightsError
+from jaxserve.weights.source import ModelSource, resolve
+
+log = logging.getLogger("jaxserve.weights")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: DecoderConfig
+    model: Decoder
+    source: ModelSource
+    dtype: Any
+    load_seconds: float
+    from_cache: bool
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str) -> Any:
+    """--dtype: float32 | bfloat16 | auto (the checkpoint's dtype on accelerators; float32 on the
+    CPU, where bfloat16 matmuls are emulated and slower)."""
+    if requested in DTYPES:
+        return DTYPES[requested]
+    if requested != "auto":
+        raise ValueError(f"--dtype {requested!r} is not one of auto, float32, bfloat16")
+    if platform == "cpu":
+        return jnp.float32
+    # float16 checkpoints run as bfloat16: same memory, and no overflow in activations.
+    return jnp.float32 if checkpoint_dtype == "float32" else jnp.bfloat16
+
+
+def hf_name(path: tuple[str, ...]) -> tuple[str, bool, bool]:
+    """Model parameter path -> (HF name template with {i} for the layer, stacked, transposed)."""
+    if path[0] == "layers":
+        *module, leaf = path[1:]
+        transposed = leaf == "kernel"
+        return f"model.layers.{{i}}.{'.'.join(module)}.{'weight' if transposed else leaf}", True, transposed
+    if path == ("embed_tokens",):
+        return "model.embed_tokens.weight", False, False
+    if path == ("lm_head",):
+        return "lm_head.weight", False, False
+    return "model." + ".".join(path), False, False
+
+
+def _leaf_paths(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _leaf_paths(v, (*prefix, str(k)))]
+    return [(prefix, tree)]
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def single_device_sharding(path: tuple[str, ...], shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def abstract_model(cfg: DecoderConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.State, dict]:
+    """Graph definition, abstract state, and the parameter tree as a plain dict of ShapeDtypeStructs."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, nnx.to_pure_dict(state)
+
+
+def _check_tensors(cfg: DecoderConfig, source: ModelSource, leaves: list[tuple[tuple[str, ...], Any]]) -> None:
+    expected = set()
+    for path, spec in leaves:
+        template, stacked, transposed = hf_name(path)
+        names = [template.format(i=i) for i in range(cfg.num_layers)] if stacked else [template]
+        shape = tuple(spec.shape[1:] if stacked else spec.shape)
+        want = shape[::-1] if transposed else shape
+        for name in names:
+            expected.add(name)
+            if name not in source.tensors:
+                raise WeightsError(f"{source.path}: tensor {name} is missing from the checkpoint")
+            got = source.tensors[name][1]
+            if got != want:
+                raise WeightsError(f"{source.path}: tensor {name} has shape {got}, the config implies {want}")
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
+    extra = sorted(set(source.tensors) - expected - {"lm_head.weight"})
+    extra = [n for n in extra if not n.endswith("rotary_emb.inv_freq")]
+    if extra:
+        raise WeightsError(f"{source.path}: tensors the model does not use: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+
+
+def _make_array(
+    source: ModelSource, path: tuple[str, ...], spec: Any, num_layers: int, dtype: Any, sharding: jax.sharding.Sharding
+) -> jax.Array:
+    template, stacked, transposed = hf_name(path)
+
+    def host(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        w = source.tensors[name][0]()
+        w = w.T if transposed else w
+        return np.asarray(w[index], dtype=dtype)
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        if not stacked:
+            return host(template, index)
+        layers = range(num_layers)[index[0]]
+        return np.stack([host(template.format(i=i), index[1:]) for i in layers])
+
+    return jax.make_array_from_callback(spec.shape, sharding, callback)
+
+
+def build_from_source(
+    cfg: DecoderConfig, source: ModelSource, dtype: Any, sharding: ShardingFn = single_device_sharding
+) -> Decoder:
+    graphdef, state, tree = abstract_model(cfg, dtype)
+    leaves = _leaf_paths(tree)
+    _check_tensors(cfg, source, leaves)
+    total = sum(int(np.prod(s.shape)) * jnp.dtype(dtype).itemsize for _, s in leaves)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {source.path.name}", leave=False, disable=None) as bar:
+        for path, spec in leaves:
+            arr = _make_array(source, path, spec, cfg.num_layers, dtype, sharding(path, spec.shape))
+            _set(tree, path, arr)
+            bar.update(arr.nbytes)
+            bar.set_postfix_str(".".join(path))
+    return merge(graphdef, state, tree)
+
+
+def merge(graphdef: nnx.GraphDef, state: nnx.State, tree: dict) -> Decoder:
+    """Fill the abstract `state` with the arrays of `tree` (same structure) and build the model."""
+    nnx.replace_by_pure_dict(state, tree)
+    return nnx.merge(graphdef, state)
+
+
+def load_model(
+    model: str | Path,
+    dtype: str = "auto",
+    *,
+    cache_dir: Path | None = None,
+    use_cache: bool = True,
+    sharding: ShardingFn = single_device_sharding,
+) -> LoadedModel:
+    """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
+    checkpoint of the converted parameters under cache_dir and later loads restore from it."""
+    start = time.perf_counter()
+    source = resolve(model)
+    cached = None
+    if use_cache and cache_dir is not None:
+        # The dtype is part of the key, so resolve it from the checkpoint's own config first;
+        # that config is cached beside the weights to avoid re-parsing the source.
+        cached = orbax_cache.entry_dir(cache_dir, source.fingerprint())
+    hf_config = orbax_cache.read_config(cached) if cached is not None else None
+    cfg = decoder_config_from_hf(hf_config or source.config)
+    jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform)
+    weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
+    if weights_dir is not None and orbax_cache.exists(weights_dir):
+        graphdef, state, tree = abstract_model(cfg, jdtype)
+        for p, s in _leaf_paths(tree):
+            _set(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, s.shape)))
+        decoder = merge(graphdef, state, orbax_cache.restore(weights_dir, tree))
+        from_cache = True
+    else:
+        decoder = build_from_source(cfg, source, jdtype, sharding)
+        from_cache = False
+        if weights_dir is not None:
+            orbax_cache.save(weights_dir, nnx.to_pure_dict(nnx.split(decoder)[1]), source.config)
+    seconds = time.perf_counter() - start
+    log.info(
+        "loaded %s (%s, %s, %d layers) in %.2fs%s",
+        source.path, cfg.architecture, jnp.dtype(jdtype).name, cfg.num_layers, seconds,
+        " from the orbax cache" if from_cache else "",
+    )
+    return LoadedModel(cfg, decoder, source, jdtype, seconds, from_cache)

@@ -1,0 +1,81 @@
+"""Resolve `--model` to a checkpoint: a Hugging Face directory or a GGUF file (or a directory
+holding exactly one), with its HF-style config dict and lazily loaded tensors under HF names."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.weights import gguf_file, safetensors_dir
+from jaxserve.weights.safetensors_dir import TensorSource, WeightsError
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """A checkpoint on disk. Its config and tensor index are read on first use: parsing a GGUF
+    header (tens of thousands of vocabulary strings) takes seconds, which a start-up that restores
+    from the orbax cache never needs to spend."""
+
+    path: Path  # directory or .gguf file
+    kind: str  # "hf" | "gguf"
+    files: list[Path]
+
+    @functools.cached_property
+    def _reader(self) -> Any:
+        return gguf_file.open_gguf(self.path)
+
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        if self.kind == "gguf":
+            return gguf_file.hf_config(self._reader, self.path)
+        return json.loads((self.path / "config.json").read_text())
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
+        if self.kind == "gguf":
+            return gguf_file.open_tensors(self._reader, self.config, self.path)
+        return safetensors_dir.open_tensors(self.files)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path.parent if self.kind == "gguf" else self.path
+
+    @property
+    def gguf_name(self) -> str | None:
+        return self.path.name if self.kind == "gguf" else None
+
+    def fingerprint(self) -> str:
+        """Changes whenever any weight file changes (path, size, mtime); keys the orbax cache."""
+        h = hashlib.sha256()
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()[:24]
+
+
+def resolve(model: str | Path) -> ModelSource:
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise WeightsError(
+            f"model path {str(model)!r} does not exist (jaxserve loads local checkpoints only: a Hugging "
+            "Face directory with config.json and *.safetensors, or a .gguf file)"
+        )
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        elif ggufs:
+            raise WeightsError(f"{path} holds {len(ggufs)} .gguf files; pass one of them: {[g.name for g in ggufs]}")
+        else:
+            raise WeightsError(f"{path} has neither config.json nor a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise WeightsError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
+        return ModelSource(path, "gguf", [path])
+    return ModelSource(path, "hf", safetensors_dir.safetensors_files(path))

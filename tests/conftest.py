@@ -1,0 +1,21 @@
+import os
+
+# Tests run on the CPU in float32 with exact matmuls, whatever machine they run on.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One jaxserve cache (converted tokenizers, weights) shared by the whole test run."""
+    return tmp_path_factory.mktemp("jaxserve-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(cache_dir):
+    from jaxserve.tokenizer import load_tokenizer
+    from smollm2 import GGUF_NAME, smollm2_dir
+
+    return load_tokenizer(smollm2_dir(), GGUF_NAME, cache_dir=cache_dir)

@@ -1,0 +1,72 @@
+"""Tiny random-init Hugging Face models, one per supported architecture, saved as safetensors.
+
+Every parameter (norms and biases included) is randomised, so a weight that is loaded into the
+wrong place or ignored changes the logits and fails the parity tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# name -> (config class, overrides). Sliding windows are tiny so the 3-prompt batch crosses them.
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=64,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-mha-tied-bias": (
+        "LlamaConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=5, num_key_value_heads=1, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
+}
+
+
+def make_tiny_model(name: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Build, randomise and save (safetensors) the tiny model `name`; returns the float32 HF model."""
+    cls_name, overrides = TINY_CONFIGS[name]
+    config = getattr(transformers, cls_name)(**{**_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
