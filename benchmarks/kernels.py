@@ -1,0 +1,349 @@
+"""Paged-attention kernels on the GPU: decode bandwidth and prefill TFLOP/s, all baselines in one run.
+
+    python -m benchmarks.kernels [--batch 1 8 64 256] [--context 512 2048 8192] [--page-size 16 32]
+                                 [--prefill-chunk 512 2048] [--out benchmarks/out/kernels.json]
+
+Decode (32 q heads, 8 kv heads, head_dim 128, bf16 by default): for every batch x context x page
+size that fits, the time of one attention call and its effective KV bandwidth (bytes of K and V
+the call must read / time) for
+  - ours:      `pallas_kernels.gpu_paged_attention` (best of a few block/split settings),
+  - jax:       `jax.experimental.pallas.ops.gpu.paged_attention` (best of its block settings),
+  - xla:       the pure-jnp reference as one dense gather + attention (GPU.md's XLA baseline),
+  - xla_chunk: the pure-jnp reference with its default page chunking (the CPU serving path).
+Prefill: causal attention of `--prefill-seqs` sequences of one chunk each, in TFLOP/s (4 * heads *
+head_dim per visible query-key pair) for ours (`gpu_ragged_attention`) and the reference, plus the
+cost of `write_kv` for the same tokens (to decide whether fusing the write would pay).
+
+Times are the median over `--repeats` timings of `--inner` back-to-back calls, after warm-up.
+Every configuration is checked against the reference first (no NaN; within bf16 tolerance).
+Prints one short table per section, last; writes everything to `--out` as JSON.
+Needs a GPU: refuses to run (exit status 2) without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "kernels.json"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--context", type=int, nargs="+", default=[512, 2048, 8192], help="KV tokens per sequence")
+    p.add_argument("--page-size", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--prefill-chunk", type=int, nargs="*", default=[512, 2048], help="new tokens per sequence")
+    p.add_argument("--prefill-seqs", type=int, default=4, help="sequences per prefill call")
+    p.add_argument("--prefill-page-size", type=int, default=16)
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-jax", action="store_true", help="skip jax's own paged_attention baseline")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--inner", type=int, default=10, help="calls per timing")
+    p.add_argument("--memory-fraction", type=float, default=0.6, help="skip shapes whose arrays exceed this")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="smoke-test this script without a GPU (tiny shapes only: kernels run interpreted, timings meaningless)",
+    )
+    args = p.parse_args(argv)
+    for name in ("batch", "context", "page_size", "prefill_chunk"):
+        if any(v <= 0 for v in getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')} values must be positive")
+    if args.q_heads % args.kv_heads:
+        p.error(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    return args
+
+
+def require_gpu(allow_cpu: bool = False) -> Any:
+    """The first GPU device, or exit with a clear message (status 2)."""
+    import jax
+
+    if allow_cpu:
+        return jax.devices()[0]
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        devices = []
+    if not devices:
+        print(
+            f"benchmarks.kernels needs a GPU; this machine has only {jax.default_backend()} devices. "
+            "Run it on the H100 (see GPU.md); the kernels' correctness is tested on the CPU by "
+            "pytest tests/kernels.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return devices[0]
+
+
+def time_call(fn: Callable[[], Any], *, warmup: int, repeats: int, inner: int) -> float:
+    """Median seconds per call over `repeats` timings of `inner` back-to-back calls."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t) / inner)
+    return statistics.median(samples)
+
+
+def _random_cache(rng, *, batch, context, page_size, kv_heads, head_dim, dtype):
+    """Random K/V pages and shuffled (non-contiguous) page tables, every sequence `context` long."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    pages_per_seq = -(-context // page_size)
+    num_pages = batch * pages_per_seq + 1
+    shape = (kv_heads, num_pages, page_size, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    return k, v, jnp.asarray(tables, jnp.int32), pages_per_seq
+
+
+def _close(a, b) -> bool:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.isfinite(a).all() and np.allclose(a, b, atol=3e-2, rtol=3e-2))
+
+
+def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu
+    from pallas_kernels.paged_attention import paged_decode_attention_reference
+
+    dtype = jnp.dtype(args.dtype)
+    scale = args.head_dim**-0.5
+    limit = _memory_limit(device, args.memory_fraction)
+    rng = np.random.default_rng(0)
+    rows = []
+    for page_size in args.page_size:
+        for context in args.context:
+            for batch in args.batch:
+                kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize
+                # pages + the dense reference's gathered copy of them
+                if limit is not None and 2 * kv_bytes > limit:
+                    rows.append(dict(batch=batch, context=context, page_size=page_size, skipped="does not fit"))
+                    continue
+                k, v, tables, pages_per_seq = _random_cache(
+                    rng, batch=batch, context=context, page_size=page_size, kv_heads=args.kv_heads,
+                    head_dim=args.head_dim, dtype=dtype,
+                )  # fmt: skip
+                q = jnp.asarray(rng.standard_normal((batch, args.q_heads, args.head_dim), dtype=np.float32), dtype)
+                lengths = jnp.full((batch,), context, jnp.int32)
+                call = (q, k, v, tables, lengths)
+                expected = jax.jit(functools.partial(paged_decode_attention_reference, scale=scale))(*call)
+                row: dict[str, Any] = dict(batch=batch, context=context, page_size=page_size, kv_bytes=kv_bytes)
+
+                def measure(name: str, fn: Callable[..., Any], configs: list[dict[str, Any]]) -> None:
+                    best = None
+                    for config in configs:
+                        f = jax.jit(functools.partial(fn, **config))
+                        try:
+                            if not _close(f(*call), expected):
+                                row.setdefault("wrong", []).append(f"{name} {config}")
+                                continue
+                            seconds = time_call(lambda: f(*call), warmup=args.warmup, repeats=args.repeats,
+                                                inner=args.inner)  # fmt: skip
+                        except Exception as e:  # a block setting the compiler rejects: try the others
+                            row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
+                            continue
+                        if best is None or seconds < best[0]:
+                            best = (seconds, config)
+                    if best is not None:
+                        config = {key: val for key, val in best[1].items() if key != "scale"}
+                        row[name] = dict(ms=best[0] * 1e3, tb_per_s=kv_bytes / best[0] / 1e12, config=config)
+
+                ours = [
+                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps)
+                    for ppb in sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
+                    for splits in (None, 1)
+                    for warps in (4, 8)
+                ]
+                measure("ours", paged_decode_attention_gpu, ours)
+                if not args.skip_jax:
+                    measure("jax", _jax_paged_attention(scale, device.platform != "gpu"), _jax_configs(pages_per_seq))
+                measure("xla", paged_decode_attention_reference, [dict(scale=scale, chunk_pages=pages_per_seq)])
+                measure("xla_chunk", paged_decode_attention_reference, [dict(scale=scale)])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del k, v, call
+    return rows
+
+
+def _jax_paged_attention(scale: float, interpret: bool) -> Callable[..., Any]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    def run(q, k, v, tables, lengths, **config):
+        # jax's kernel takes no scale argument: fold it into q.
+        return jax_paged.paged_attention(
+            (q * scale).astype(q.dtype), k, v, tables, lengths, interpret=interpret, **config
+        )
+
+    return run
+
+
+def _jax_configs(pages_per_seq: int) -> list[dict[str, Any]]:
+    configs = []
+    for ppcb in (4, 8, 16):
+        for splits in (1, 2, 4, 8, 16, 32):
+            if pages_per_seq % splits == 0 and (pages_per_seq // splits) % min(ppcb, pages_per_seq // splits) == 0:
+                configs.append(dict(pages_per_compute_block=ppcb, k_splits=splits))
+    return configs
+
+
+def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.kv_write import write_kv
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+    dtype = jnp.dtype(args.dtype)
+    scale = args.head_dim**-0.5
+    rng = np.random.default_rng(1)
+    rows = []
+    for chunk in args.prefill_chunk:
+        seqs, page_size = args.prefill_seqs, args.prefill_page_size
+        k, v, tables, pages_per_seq = _random_cache(
+            rng, batch=seqs, context=chunk, page_size=page_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            dtype=dtype,
+        )  # fmt: skip
+        total = seqs * chunk
+        q = jnp.asarray(rng.standard_normal((total, args.q_heads, args.head_dim), dtype=np.float32), dtype)
+        cu = jnp.arange(seqs + 1, dtype=jnp.int32) * chunk
+        kv_lens = jnp.full((seqs,), chunk, jnp.int32)
+        call = (q, k, v, tables, cu, kv_lens, jnp.int32(seqs))
+        flops = 4 * args.q_heads * args.head_dim * seqs * chunk * (chunk + 1) / 2
+        expected = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*call)
+        row: dict[str, Any] = dict(chunk=chunk, seqs=seqs, page_size=page_size, gflop=flops / 1e9)
+        candidates = [("ours", ragged_paged_attention_gpu, dict(scale=scale, q_block=qb, pages_per_block=ppb,
+                                                                num_warps=w))  # fmt: skip
+                      for qb in (16, 32) for ppb in (2, 4) for w in (4, 8)]
+        candidates.append(("xla", ragged_paged_attention_reference, dict(scale=scale)))
+        for name, fn, config in candidates:
+            f = jax.jit(functools.partial(fn, **config))
+            try:
+                if not _close(f(*call), expected):
+                    row.setdefault("wrong", []).append(f"{name} {config}")
+                    continue
+                seconds = time_call(lambda: f(*call), warmup=args.warmup, repeats=args.repeats, inner=args.inner)
+            except Exception as e:
+                row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
+                continue
+            if name not in row or seconds * 1e3 < row[name]["ms"]:
+                config = {key: val for key, val in config.items() if key != "scale"}
+                row[name] = dict(ms=seconds * 1e3, tflop_per_s=flops / seconds / 1e12, config=config)
+        new = jnp.asarray(rng.standard_normal((total, args.kv_heads, args.head_dim), dtype=np.float32), dtype)
+        slots = (tables[:, :, None] * page_size + jnp.arange(page_size)[None, None]).reshape(seqs, -1)[:, :chunk]
+        write = jax.jit(write_kv, donate_argnums=(0, 1))
+        state = {"kv": (k, v)}
+
+        def write_once():
+            state["kv"] = write(*state["kv"], new, new, slots.reshape(-1).astype(jnp.int32))
+            return state["kv"]
+
+        row["write_kv_ms"] = 1e3 * time_call(write_once, warmup=args.warmup, repeats=args.repeats, inner=args.inner)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _memory_limit(device: Any, fraction: float) -> float | None:
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:
+        return None
+    total = stats.get("bytes_limit")
+    return None if total is None else fraction * total
+
+
+def _cell(result: dict[str, Any] | None, key: str, fmt: str) -> str:
+    return format(result[key], fmt) if result else "-"
+
+
+def print_tables(decode: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> None:
+    if decode:
+        names = ("ours", "jax", "xla", "xla_chunk")
+        print("\ndecode: ms per call / effective KV TB/s")
+        print(f"{'page':>4} {'ctx':>5} {'batch':>5} " + " ".join(f"{n:>17}" for n in names) + "  ours/jax")
+        for r in decode:
+            head = f"{r['page_size']:>4} {r['context']:>5} {r['batch']:>5} "
+            if "skipped" in r:
+                print(head + r["skipped"])
+                continue
+            cells = [
+                f"{_cell(r.get(n), 'ms', '.3f'):>8} {_cell(r.get(n), 'tb_per_s', '.2f'):>8}" for n in names
+            ]
+            ratio = f"{r['jax']['ms'] / r['ours']['ms']:.2f}x" if "ours" in r and "jax" in r else "-"
+            print(head + " ".join(cells) + f"  {ratio:>8}")
+    if prefill:
+        print("\nprefill (causal, fresh chunk per sequence): ms / TFLOP/s")
+        print(f"{'chunk':>5} {'seqs':>4} {'ours':>17} {'xla':>17} {'write_kv ms':>12}")
+        for r in prefill:
+            cells = [f"{_cell(r.get(n), 'ms', '.3f'):>8} {_cell(r.get(n), 'tflop_per_s', '.1f'):>8}" for n in ("ours", "xla")]
+            print(f"{r['chunk']:>5} {r['seqs']:>4} " + " ".join(cells) + f" {r['write_kv_ms']:>12.3f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = require_gpu(args.allow_cpu)
+    import jax
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    decode = [] if args.skip_decode else bench_decode(args, device)
+    prefill = bench_prefill(args, device) if args.prefill_chunk else []
+    result = dict(
+        date=time.strftime("%Y-%m-%d"),
+        device=device.device_kind,
+        jax=jax.__version__,
+        command="python -m benchmarks.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+        dtype=args.dtype,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        decode=decode,
+        prefill=prefill,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"\n{result['device']}, jax {result['jax']}, {args.dtype}, {args.q_heads} q heads / {args.kv_heads} kv heads "
+          f"/ head_dim {args.head_dim}; JSON: {args.out}")  # fmt: skip
+    print_tables(decode, prefill)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

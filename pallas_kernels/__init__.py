@@ -1,0 +1,69 @@
+"""Paged attention over jaxserve's paged KV cache: pure-jnp references, validators and Pallas kernels.
+
+KV cache layout (per layer, the engine follows it): separate K and V arrays, each
+`[num_kv_heads, num_pages, page_size, head_dim]`; token t of sequence b is at page
+`page_tables[b, t // page_size]`, slot `t % page_size`. Unused page-table entries may hold any
+in-range page id and unused pages may hold NaN; neither ever reaches a result.
+
+`get_decode_attention(backend)` / `get_ragged_attention(backend)` return a callable with the
+reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu"}. Kernel modules are
+imported only when asked for, so the CPU serving path never imports Pallas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pallas_kernels.kv_write import validate_write_inputs, write_kv
+from pallas_kernels.paged_attention import paged_decode_attention_reference, validate_decode_inputs
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference, validate_ragged_inputs
+
+BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def get_decode_attention(backend: str) -> Callable[..., object]:
+    """Decode attention for `backend`, called as `f(q, k_pages, v_pages, page_tables, lengths, *, scale,
+    softcap=None, window=0)`."""
+    _check_backend(backend)
+    if backend == "pallas_gpu":
+        from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu
+
+        return paged_decode_attention_gpu
+    if backend == "pallas_tpu":
+        from pallas_kernels.tpu_paged_attention import paged_decode_attention_tpu
+
+        return paged_decode_attention_tpu
+    return paged_decode_attention_reference
+
+
+def get_ragged_attention(backend: str) -> Callable[..., object]:
+    """Ragged (prefill/decode) attention for `backend`, called as `f(q, k_pages, v_pages, page_tables,
+    cu_q_lens, kv_lens, num_seqs, *, scale, softcap=None, window=0)`."""
+    _check_backend(backend)
+    if backend == "pallas_gpu":
+        from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu
+    if backend == "pallas_tpu":
+        from pallas_kernels.tpu_ragged_attention import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu
+    return ragged_paged_attention_reference
+
+
+__all__ = [
+    "BACKENDS",
+    "get_decode_attention",
+    "get_ragged_attention",
+    "paged_decode_attention_reference",
+    "ragged_paged_attention_reference",
+    "validate_decode_inputs",
+    "validate_ragged_inputs",
+    "validate_write_inputs",
+    "write_kv",
+]

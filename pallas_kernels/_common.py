@@ -1,0 +1,190 @@
+"""Helpers shared by the attention references, kernels and validators.
+
+The KV cache layout (fixed; the engine follows it): per layer, separate K and V arrays, each
+`[num_kv_heads, num_pages, page_size, head_dim]`. Token t of a sequence lives in page
+`page_tables[b, t // page_size]`, slot `t % page_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite "minus infinity" for kernels that must not produce inf - inf = NaN in their running max.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# Bytes of live intermediates (keys, values, logits) one chunk of the pure-jnp references may use.
+CHUNK_BYTES = 32 * 1024 * 1024
+
+
+def concrete_or_none(x: Any) -> np.ndarray | None:
+    """`x` as a NumPy array when its value is known now (not a tracer), else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+
+
+def visible(key_pos: jax.Array, q_pos: jax.Array, kv_len: jax.Array, window: jax.Array | int) -> jax.Array:
+    """Whether a query at `q_pos` may attend to a key at `key_pos` (all broadcastable int32).
+
+    A key is visible iff it was written (key_pos < kv_len), is causal (key_pos <= q_pos) and lies in
+    the sliding window when there is one (window == 0 means none; it may be a traced scalar, since the
+    engine scans over layers with a per-layer window array).
+    """
+    window = jnp.asarray(window, jnp.int32)
+    in_window = (window <= 0) | (q_pos - key_pos < window)
+    return (key_pos < kv_len) & (key_pos <= q_pos) & in_window
+
+
+def apply_softcap(s: jax.Array, softcap: float | None) -> jax.Array:
+    if softcap is None:
+        return s
+    return jnp.tanh(s / softcap) * softcap
+
+
+def attend_items(
+    q: jax.Array,  # [items, rows, kv_heads, group, head_dim]
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    pages: jax.Array,  # [items, max_pages_per_seq] int32: each item's page-table row
+    kv_len: jax.Array,  # [items] int32 (0 for items that do nothing)
+    q_pos: jax.Array,  # [items, rows] int32
+    row_ok: jax.Array,  # [items, rows] bool
+    *,
+    scale: float,
+    softcap: float | None,
+    window: jax.Array | int,
+    chunk_pages: int,
+) -> jax.Array:  # [items, rows, kv_heads, group, head_dim] float32
+    """Attention of work items over the paged cache, in pure jnp: the engine of both references.
+
+    An item is `rows` queries of one sequence (decode: one row per sequence). The keys are read in
+    chunks of `chunk_pages` pages with an exact online softmax, and only as many chunks as the
+    longest live item needs (a traced trip count), so a step costs what the batch's contexts need,
+    not what `max_pages_per_seq` allows, and memory stays at one chunk per item.
+
+    Masked logits go through `where`, never a multiply, so NaN in unused pages cannot leak; values
+    past `kv_len` are zeroed before the product (0 * NaN is NaN). A row that sees nothing returns 0.
+    """
+    items, rows, kv_heads, group, head_dim = q.shape
+    page_size = k_pages.shape[2]
+    max_pages = pages.shape[1]
+    chunk_pages = max(1, min(chunk_pages, max_pages))
+    num_chunks = -(-max_pages // chunk_pages)
+    if num_chunks * chunk_pages != max_pages:  # pad so every chunk is a full slice; padded keys are masked
+        pages = jnp.pad(pages, ((0, 0), (0, num_chunks * chunk_pages - max_pages)))
+    chunk = chunk_pages * page_size
+    window = jnp.asarray(window, jnp.int32)
+    row_ok = row_ok & (kv_len[:, None] > 0)
+
+    def step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        acc, m, l = carry
+        idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
+        k = jnp.take(k_pages, idx, axis=1, mode="clip").reshape(kv_heads, items, chunk, head_dim)
+        v = jnp.take(v_pages, idx, axis=1, mode="clip").reshape(kv_heads, items, chunk, head_dim)
+        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        s = jnp.einsum("irkgd,kijd->irkgj", q, k, preferred_element_type=jnp.float32) * scale
+        s = apply_softcap(s, softcap)
+        mask = visible(key_pos[None, None, :], q_pos[:, :, None], kv_len[:, None, None], window)
+        mask = (mask & row_ok[:, :, None])[:, :, None, None, :]  # [items, rows, 1, 1, chunk]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        v = jnp.where((key_pos[None, :] < kv_len[:, None])[None, :, :, None], v, jnp.zeros((), v.dtype))
+        pv = jnp.einsum("irkgj,kijd->irkgd", p, v, preferred_element_type=jnp.float32)
+        return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+    shape = (items, rows, kv_heads, group)
+    carry = (
+        jnp.zeros(shape + (head_dim,), jnp.float32),
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+    )
+    if num_chunks == 1:
+        acc, _, l = step(jnp.int32(0), carry)
+    else:
+        needed = jnp.max(jnp.where(jnp.any(row_ok, axis=1), kv_len, 0))
+        acc, _, l = jax.lax.fori_loop(0, (needed + chunk - 1) // chunk, step, carry)
+    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+
+
+def chunk_pages_for(items: int, rows: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> int:
+    """Pages per chunk so one chunk's keys, values and logits take about CHUNK_BYTES."""
+    per_token = 4 * items * (2 * kv_heads * head_dim + 3 * rows * q_heads)
+    return max(1, CHUNK_BYTES // max(per_token * page_size, 1))
+
+
+def check_ndim(name: str, x: Any, ndim: int, expected: str) -> None:
+    if not hasattr(x, "shape") or len(x.shape) != ndim:
+        shape = getattr(x, "shape", type(x).__name__)
+        raise ValueError(f"{name} must have shape {expected}, got {shape}")
+
+
+def check_shape(name: str, x: Any, shape: tuple[int, ...], expected: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {expected} = {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_int(name: str, x: Any) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array (int32), got dtype {x.dtype}")
+
+
+def check_float(name: str, x: Any) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating-point array (float32 or bfloat16), got dtype {x.dtype}")
+
+
+def validate_cache(q: Any, k_pages: Any, v_pages: Any, q_expected: str) -> tuple[int, int, int, int, int]:
+    """Checks q against the K/V pages; returns (q_heads, kv_heads, num_pages, page_size, head_dim)."""
+    check_ndim("q", q, 3, q_expected)
+    check_ndim("k_pages", k_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+    check_ndim("v_pages", v_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+    check_float("q", q)
+    check_float("k_pages", k_pages)
+    check_float("v_pages", v_pages)
+    kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    check_shape("v_pages", v_pages, k_pages.shape, "k_pages.shape [num_kv_heads, num_pages, page_size, head_dim]")
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    q_heads = q.shape[1]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim (q.shape[2] = {q.shape[2]}) must equal the pages' head_dim {head_dim}")
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(f"q_heads ({q_heads}) must be a positive multiple of num_kv_heads ({kv_heads})")
+    if num_pages == 0 or page_size == 0:
+        raise ValueError(f"k_pages must hold at least one page of at least one slot, got shape {k_pages.shape}")
+    return q_heads, kv_heads, num_pages, page_size, head_dim
+
+
+def validate_options(softcap: float | None, window: Any) -> None:
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive static float, got {softcap!r}")
+    w = concrete_or_none(window)
+    if w is not None and (w.ndim != 0 or not np.issubdtype(w.dtype, np.integer) or int(w) < 0):
+        raise ValueError(f"window must be a non-negative integer scalar (0 = no window), got {window!r}")
+
+
+def validate_page_tables(page_tables: Any, rows: int, num_pages: int, rows_name: str) -> None:
+    check_ndim("page_tables", page_tables, 2, f"[{rows_name}, max_pages_per_seq]")
+    check_int("page_tables", page_tables)
+    if page_tables.shape[0] != rows:
+        raise ValueError(
+            f"page_tables must have shape [{rows_name}, max_pages_per_seq] with {rows_name} = {rows}, "
+            f"got {tuple(page_tables.shape)}"
+        )
+    pt = concrete_or_none(page_tables)
+    if pt is not None and pt.size and (pt.min() < 0 or pt.max() >= num_pages):
+        bad = np.argwhere((pt < 0) | (pt >= num_pages))[0]
+        raise ValueError(
+            f"page_tables[{bad[0]}, {bad[1]}] = {pt[tuple(bad)]} is out of range [0, {num_pages}) "
+            f"(num_pages = k_pages.shape[1])"
+        )

@@ -1,0 +1,250 @@
+"""Pallas GPU decode paged attention (flash-decoding), with the reference's signature.
+
+Grid `(batch, kv_heads, splits)`: a program owns one sequence, one kv head and one split of that
+sequence's page-table row. It keeps the kv head's `group` query heads as the rows of one matmul
+(padded to 16, Triton's smallest dot), streams its pages in blocks of `pages_per_block` (one gather
+of page ids per block), and keeps an online softmax. Each split writes its unnormalised accumulator
+with its running max and sum; the splits are combined exactly with log-sum-exp outside the kernel.
+Splits whose pages are all past the sequence's length, or all outside its sliding window, do no
+work, so a batch pays for the pages its sequences use, not for `max_pages_per_seq`.
+
+Lowering choice. Pallas on GPU has two lowerings: Triton (`jax.experimental.pallas.triton`) and
+Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`, the supported Hopper path in new JAX; Triton is
+deprecated there). Only the Triton variant exists so far: it is the one that runs in interpret mode
+on the CPU (how CI tests it), and no GPU was available when it was written. `LOWERINGS` maps a
+name to an implementation so a Mosaic GPU variant can be added beside it; which one is the default
+must be decided by measurement on an H100 with `benchmarks/kernels.py` (not yet done), and the
+reason recorded here and in `benchmarks/RESULTS.md`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import MASK_VALUE
+
+MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_interpret() -> bool:
+    """Run kernels in interpret mode unless a GPU is the default backend."""
+    return jax.default_backend() != "gpu"
+
+
+def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    # float32 inputs are for exactness (tests, parity runs): no TF32. bf16 uses the tensor cores as is.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _decode_kernel(
+    lengths_ref,  # [1] int32: this sequence's length
+    window_ref,  # [1] int32
+    page_tables_ref,  # [pages_per_split] int32: this sequence's pages in this split
+    q_ref,  # [rows, head_dim]: this kv head's query heads, padded
+    k_pages_ref,  # [num_pages, page_size, head_dim]: this kv head's pages
+    v_pages_ref,  # [num_pages, page_size, head_dim]
+    acc_ref,  # [rows, head_dim] float32
+    m_ref,  # [rows] float32
+    l_ref,  # [rows] float32
+    *,
+    scale: float,
+    softcap: float | None,
+    pages_per_block: int,
+    precision: jax.lax.Precision,
+):
+    split = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    pages_per_split = page_tables_ref.shape[0]
+    block_k = pages_per_block * page_size
+    length = lengths_ref[0]
+    window = window_ref[0]
+    q_pos = length - 1
+    first_key = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
+
+    split_start = split * pages_per_split  # in pages
+    first_block = jnp.maximum(first_key // page_size - split_start, 0) // pages_per_block
+    end_block = pl.cdiv(jnp.clip(pl.cdiv(length, page_size) - split_start, 0, pages_per_split), pages_per_block)
+    q = q_ref[...]
+
+    def body(i, carry):
+        acc, m, l = carry
+        ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_pages_ref[ids].reshape(block_k, head_dim)
+        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        key_pos = (split_start + i * pages_per_block) * page_size + jnp.arange(block_k, dtype=jnp.int32)
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        ok = (key_pos < length) & (key_pos >= first_key)  # key_pos <= q_pos follows from < length
+        mask = jnp.broadcast_to(ok[None, :], (rows, block_k))
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        v = jnp.where(jnp.broadcast_to(ok[:, None], (block_k, head_dim)), v, jnp.zeros((), v.dtype))
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Exact log-sum-exp merge of per-split partial softmaxes along axis 0; empty rows give 0."""
+    m_max = jnp.max(m, axis=0)
+    w = jnp.where(l > 0.0, jnp.exp(m - m_max[None]), 0.0)
+    denom = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * acc, axis=0)
+    return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def default_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: int = 264) -> int:
+    """Enough programs to fill an H100 (132 SMs, two programs each) without splitting needlessly."""
+    want = _next_pow2(max(1, -(-target_programs // max(batch * kv_heads, 1))))
+    return max(1, min(want, _next_pow2(num_blocks)))
+
+
+def _decode_triton(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None,
+    window: jax.Array | int,
+    pages_per_block: int | None,
+    num_splits: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:
+    batch, q_heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    max_pages = page_tables.shape[1]
+    group = q_heads // kv_heads
+    rows = max(MIN_DOT_ROWS, _next_pow2(group))
+
+    if pages_per_block is None:  # about 64 keys per block, at least 16 for the dot
+        pages_per_block = max(1, 64 // page_size)
+    pages_per_block = min(_next_pow2(pages_per_block), _next_pow2(max_pages))
+    num_blocks = -(-max_pages // pages_per_block)
+    splits = num_splits or default_splits(batch, kv_heads, num_blocks)
+    splits = max(1, min(splits, num_blocks))
+    blocks_per_split = -(-num_blocks // splits)
+    pages_per_split = blocks_per_split * pages_per_block
+    padded_pages = splits * pages_per_split
+    # Padding entries are page 0: in range, and past every length, so never visible.
+    page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+
+    qg = q.reshape(batch, kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    window_arr = jnp.asarray(window, jnp.int32).reshape(1)
+
+    kernel = functools.partial(
+        _decode_kernel,
+        scale=scale,
+        softcap=softcap,
+        pages_per_block=pages_per_block,
+        precision=dot_precision(q.dtype),
+    )
+    page_block = (None, k_pages.shape[1], page_size, head_dim)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, splits),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((1,), lambda b, h, s: (0,)),
+            pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec(page_block, lambda b, h, s: (h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda b, h, s: (h, 0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows), jnp.float32),
+        ],
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jaxserve_paged_decode",
+    )(lengths.astype(jnp.int32).reshape(batch, 1), window_arr, page_tables, qg, k_pages, v_pages)
+
+    out = combine_splits(acc, m, l)[:, :, :group]
+    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+
+
+def _triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# Lowering name -> implementation. Add "mosaic" here once written, and pick the default by
+# measurement on the H100 (see the module docstring).
+LOWERINGS: dict[str, Callable[..., jax.Array]] = {"triton": _decode_triton}
+DEFAULT_LOWERING = "triton"
+
+
+def paged_decode_attention_gpu(
+    q: jax.Array,  # [batch, q_heads, head_dim]
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # [batch, max_pages_per_seq] int32
+    lengths: jax.Array,  # [batch] int32
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: jax.Array | int = 0,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+    lowering: str = DEFAULT_LOWERING,
+) -> jax.Array:  # [batch, q_heads, head_dim]
+    """Decode attention as a Pallas GPU kernel; same semantics as `paged_decode_attention_reference`.
+
+    `pages_per_block`, `num_splits`, `num_warps`, `num_stages` are static tuning knobs (defaults:
+    ~64 keys per block, enough splits for ~264 programs); `interpret` defaults to True off-GPU.
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
+    return LOWERINGS[lowering](
+        q,
+        k_pages,
+        v_pages,
+        page_tables,
+        lengths,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=default_interpret() if interpret is None else interpret,
+    )

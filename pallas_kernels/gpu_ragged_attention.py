@@ -1,0 +1,224 @@
+"""Pallas GPU ragged paged attention (prefill, chunked prefill, mixed batches), reference signature.
+
+The batch is cut into the reference's work items (`ragged_paged_attention.plan_work_items`): up to
+`q_block` consecutive query rows of one sequence. Grid `(items, kv_heads)`: a program takes its
+item's rows times the kv head's query heads as the rows of one matmul (token-major, heads minor),
+streams the sequence's pages in blocks of `pages_per_block` from the first key any of its rows can
+see (sliding window) to the last (causal), and keeps an online softmax (flash attention). Dead
+items (past the real count) do no work. Outputs go to a per-item buffer and are read back per token,
+so programs never write the same memory.
+
+The new K/V are written into the pages beforehand with `kv_write.write_kv` (not fused); whether
+fusing the write pays is for the H100 measurement. Lowering choice: as in `gpu_paged_attention`, only
+the Triton lowering exists so far (it runs in interpret mode on the CPU); `LOWERINGS` keeps it
+swappable, and the default must be chosen by measurement on an H100 (not yet done).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import MASK_VALUE
+from pallas_kernels.gpu_paged_attention import (
+    MIN_DOT_ROWS,
+    _next_pow2,
+    _triton_params,
+    default_interpret,
+    dot_precision,
+)
+from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
+
+
+def _ragged_kernel(
+    meta_ref,  # [4] int32: first token, first row within the sequence, q_len, kv_len
+    window_ref,  # [1] int32
+    page_tables_ref,  # [padded_pages] int32: the item's sequence's page-table row
+    q_ref,  # [padded_tokens, heads, head_dim]: this kv head's query heads
+    k_pages_ref,  # [num_pages, page_size, head_dim]
+    v_pages_ref,
+    o_ref,  # [q_block * heads, head_dim]
+    *,
+    scale: float,
+    softcap: float | None,
+    group: int,
+    q_block: int,
+    pages_per_block: int,
+    precision: jax.lax.Precision,
+):
+    heads, head_dim = q_ref.shape[1], q_ref.shape[2]
+    page_size = k_pages_ref.shape[1]
+    block_k = pages_per_block * page_size
+    rows = q_block * heads
+    token, row0, q_len, kv_len = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    window = window_ref[0]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    local = row0 + r // heads
+    row_ok = (local < q_len) & (r % heads < group)
+    q_pos = kv_len - q_len + local
+    first_pos = kv_len - q_len + row0
+    last_pos = kv_len - q_len + jnp.minimum(row0 + q_block, q_len) - 1
+    first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_block = first_key // block_k
+    end_block = pl.cdiv(jnp.maximum(last_pos + 1, 0), block_k)
+
+    q = q_ref[pl.ds(token, q_block), :, :].reshape(rows, head_dim)
+
+    def body(i, carry):
+        acc, m, l = carry
+        ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_pages_ref[ids].reshape(block_k, head_dim)
+        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        key_pos = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        key_ok = key_pos < kv_len
+        mask = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        mask = mask & ((window <= 0) | (q_pos[:, None] - key_pos[None, :] < window))
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        v = jnp.where(jnp.broadcast_to(key_ok[:, None], (block_k, head_dim)), v, jnp.zeros((), v.dtype))
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def gpu_q_block(total_tokens: int, max_seqs: int, heads: int) -> int:
+    """Rows per item: the reference's choice, raised so a dot has >= 16 rows, capped at 128 rows."""
+    tq = max(default_q_block(total_tokens, max_seqs), -(-MIN_DOT_ROWS // heads))
+    return max(1, min(tq, max(1, 128 // heads)))
+
+
+def _ragged_triton(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array | int,
+    *,
+    scale: float,
+    softcap: float | None,
+    window: jax.Array | int,
+    q_block: int | None,
+    pages_per_block: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:
+    total, q_heads, head_dim = q.shape
+    kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_seqs, max_pages = page_tables.shape
+    group = q_heads // kv_heads
+    heads = _next_pow2(group)
+    tq = _next_pow2(q_block or gpu_q_block(total, max_seqs, heads))
+    w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
+    num_items = w.seq.shape[0]
+
+    if pages_per_block is None:  # about 64 keys per block
+        pages_per_block = max(1, 64 // page_size)
+    pages_per_block = min(_next_pow2(pages_per_block), _next_pow2(max_pages))
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    item_pages = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))[w.seq]
+    meta = jnp.stack([w.token, w.row0, w.q_len, w.kv_len], axis=1)
+    # [kv_heads, tokens + q_block, heads, head_dim]: an item's rows are one slice that never runs off the end.
+    qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qg = jnp.pad(qg, ((0, 0), (0, tq), (0, heads - group), (0, 0)))
+    window_arr = jnp.asarray(window, jnp.int32).reshape(1)
+
+    kernel = functools.partial(
+        _ragged_kernel,
+        scale=scale,
+        softcap=softcap,
+        group=group,
+        q_block=tq,
+        pages_per_block=pages_per_block,
+        precision=dot_precision(q.dtype),
+    )
+    page_block = (None, num_pages, page_size, head_dim)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_items, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
+            pl.BlockSpec((1,), lambda i, h: (0,)),
+            pl.BlockSpec((None, padded_pages), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, total + tq, heads, head_dim), lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda i, h: (h, 0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, tq * heads, head_dim), lambda i, h: (h, i, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * heads, head_dim), q.dtype),
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="jaxserve_ragged_paged_attention",
+    )(meta, window_arr, item_pages, qg, k_pages, v_pages)
+
+    out = out.reshape(kv_heads, num_items, tq, heads, head_dim)[:, w.token_item, w.token_row, :group]
+    out = out.transpose(1, 0, 2, 3).reshape(total, q_heads, head_dim)
+    return jnp.where(w.token_ok[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+LOWERINGS: dict[str, Callable[..., jax.Array]] = {"triton": _ragged_triton}
+DEFAULT_LOWERING = "triton"
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [total_tokens, q_heads, head_dim]
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # [max_seqs, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [max_seqs + 1] int32
+    kv_lens: jax.Array,  # [max_seqs] int32
+    num_seqs: jax.Array | int,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: jax.Array | int = 0,
+    q_block: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+    lowering: str = DEFAULT_LOWERING,
+) -> jax.Array:  # [total_tokens, q_heads, head_dim]
+    """Ragged attention as a Pallas GPU kernel; same semantics as `ragged_paged_attention_reference`.
+
+    `q_block` (query tokens per program, a power of two), `pages_per_block`, `num_warps`,
+    `num_stages` are static tuning knobs; `interpret` defaults to True off-GPU.
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
+    return LOWERINGS[lowering](
+        q,
+        k_pages,
+        v_pages,
+        page_tables,
+        cu_q_lens,
+        kv_lens,
+        num_seqs,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        q_block=q_block,
+        pages_per_block=pages_per_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=default_interpret() if interpret is None else interpret,
+    )

@@ -1,0 +1,208 @@
+"""Pallas TPU (Mosaic) ragged paged attention (prefill, chunked prefill, mixed), reference signature.
+
+Same work items as the reference and the GPU kernel (`ragged_paged_attention.plan_work_items`):
+grid `(items, kv_heads)`, with each item's metadata and page-table row scalar-prefetched into SMEM.
+An item's query rows start at an arbitrary token, which a BlockSpec cannot express, so q stays in
+HBM and the item's `q_block` tokens are copied by one DMA into VMEM. K/V pages are copied page by
+page into a two-slot VMEM buffer, double-buffered across the blocks of pages the item can see
+(sliding window to causal end). Every DMA indexes whole refs (`.at[...]`), never reshaped refs; the
+reshapes are on loaded values. Outputs go to a per-item block and are read back per token.
+
+Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising); never run or
+timed on a TPU, where block sizes and layout (e.g. head_dim/lanes, q_block * heads/sublanes) need
+measuring.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._common import MASK_VALUE
+from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
+from pallas_kernels.tpu_paged_attention import default_interpret_params
+
+_META = 4  # per item: first token, first row within the sequence, q_len, kv_len
+
+
+def _ragged_kernel(
+    # scalar prefetch (SMEM)
+    meta_ref,  # [items * 4] int32
+    page_tables_ref,  # [items * padded_pages] int32
+    window_ref,  # [1] int32
+    # inputs
+    q_hbm,  # [kv_heads, padded_tokens, group, head_dim] (HBM)
+    k_pages_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    v_pages_hbm,
+    # output
+    o_ref,  # [q_block * group, head_dim]
+    # scratch
+    q_buf,  # [q_block, group, head_dim] VMEM
+    k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM
+    v_buf,
+    sems,  # DMA semaphores [3, 2]: (k/v/q, slot)
+    *,
+    scale: float,
+    softcap: float | None,
+    q_block: int,
+    pages_per_block: int,
+    padded_pages: int,
+    precision: jax.lax.Precision,
+):
+    item, h = pl.program_id(0), pl.program_id(1)
+    _, group, head_dim = q_buf.shape
+    page_size = k_buf.shape[2]
+    block_k = pages_per_block * page_size
+    rows = q_block * group
+    token = meta_ref[item * _META]
+    row0 = meta_ref[item * _META + 1]
+    q_len = meta_ref[item * _META + 2]
+    kv_len = meta_ref[item * _META + 3]
+    window = window_ref[0]
+
+    first_pos = kv_len - q_len + row0
+    last_pos = kv_len - q_len + jnp.minimum(row0 + q_block, q_len) - 1
+    first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_block = first_key // block_k
+    end_block = (jnp.maximum(last_pos + 1, 0) + block_k - 1) // block_k
+
+    q_copy = pltpu.make_async_copy(q_hbm.at[h, pl.ds(token, q_block)], q_buf, sems.at[2, 0])
+    q_copy.start()
+
+    def copies(block, slot):
+        out = []
+        for j in range(pages_per_block):
+            page = page_tables_ref[item * padded_pages + block * pages_per_block + j]
+            out.append(pltpu.make_async_copy(k_pages_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_pages_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
+        return out
+
+    def start(block, slot):
+        for c in copies(block, slot):
+            c.start()
+
+    @pl.when(first_block < end_block)
+    def _prefetch_first():
+        start(first_block, 0)
+
+    q_copy.wait()
+    q = q_buf[...].reshape(rows, head_dim)
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    local = row0 + r // group
+    row_ok = local < q_len  # [rows, 1]
+    q_pos = kv_len - q_len + local
+
+    def body(block, carry):
+        acc, m, l = carry
+        slot = (block - first_block) % 2
+
+        @pl.when(block + 1 < end_block)
+        def _prefetch_next():
+            start(block + 1, 1 - slot)
+
+        for c in copies(block, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_k, head_dim)
+        v = v_buf[slot].reshape(block_k, head_dim)
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        s = s * scale
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        key_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        mask = row_ok & (key_pos < kv_len) & (key_pos <= q_pos)
+        mask = mask & ((window <= 0) | (q_pos - key_pos < window))
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        v_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))  # unwritten slots may hold NaN
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        return acc * alpha + pv, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+
+
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [total_tokens, q_heads, head_dim]
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # [max_seqs, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [max_seqs + 1] int32
+    kv_lens: jax.Array,  # [max_seqs] int32
+    num_seqs: jax.Array | int,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: jax.Array | int = 0,
+    q_block: int | None = None,
+    pages_per_block: int | None = None,
+    interpret: pltpu.InterpretParams | bool | None = None,
+) -> jax.Array:  # [total_tokens, q_heads, head_dim]
+    """Ragged attention as a Pallas TPU kernel; same semantics as `ragged_paged_attention_reference`."""
+    total, q_heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    max_seqs, max_pages = page_tables.shape
+    group = q_heads // kv_heads
+    tq = q_block or max(default_q_block(total, max_seqs), -(-8 // group))  # >= 8 rows (one sublane tile)
+    w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
+    num_items = w.seq.shape[0]
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // page_size)
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    item_pages = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))[w.seq]
+    meta = jnp.stack([w.token, w.row0, w.q_len, w.kv_len], axis=1)
+    # [kv_heads, tokens + q_block, group, head_dim]: an item's q_block rows never run off the end.
+    qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qg = jnp.pad(qg, ((0, 0), (0, tq), (0, 0), (0, 0)))
+    if interpret is None:
+        interpret = default_interpret_params()
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    out = pl.pallas_call(
+        functools.partial(
+            _ragged_kernel,
+            scale=scale,
+            softcap=softcap,
+            q_block=tq,
+            pages_per_block=pages_per_block,
+            padded_pages=padded_pages,
+            precision=precision,
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(num_items, kv_heads),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
+            out_specs=pl.BlockSpec((None, None, tq * group, head_dim), lambda i, h, *_: (h, i, 0, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((tq, group, head_dim), q.dtype),
+                buf,
+                buf,
+                pltpu.SemaphoreType.DMA((3, 2)),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * group, head_dim), q.dtype),
+        interpret=interpret,
+        name="jaxserve_ragged_paged_attention_tpu",
+    )(meta.reshape(-1), item_pages.reshape(-1), jnp.asarray(window, jnp.int32).reshape(1), qg, k_pages, v_pages)
+
+    out = out.reshape(kv_heads, num_items, tq, group, head_dim)[:, w.token_item, w.token_row]
+    out = out.transpose(1, 0, 2, 3).reshape(total, q_heads, head_dim)
+    return jnp.where(w.token_ok[:, None, None], out, jnp.zeros((), out.dtype))

@@ -1,0 +1,46 @@
+"""benchmarks/kernels.py cannot run without a GPU, but it must import, parse and refuse clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import kernels as bench
+
+
+def test_defaults_are_the_issue_grid():
+    args = bench.parse_args([])
+    assert args.batch == [1, 8, 64, 256]
+    assert args.context == [512, 2048, 8192]
+    assert args.page_size == [16, 32]
+    assert (args.q_heads, args.kv_heads, args.head_dim, args.dtype) == (32, 8, 128, "bfloat16")
+    assert args.prefill_chunk == [512, 2048]
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--q-heads", "6"], ["--dtype", "int8"]])
+def test_bad_arguments_are_rejected(argv):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_refuses_without_a_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--batch", "1"])
+    assert e.value.code == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smoke_run_on_cpu(tmp_path):
+    """The whole script end to end at toy sizes (kernels interpreted), so it does not first break on the H100."""
+    out = tmp_path / "k.json"
+    argv = "--allow-cpu --batch 2 --context 32 --page-size 16 --q-heads 4 --kv-heads 2 --head-dim 16"
+    argv += f" --prefill-chunk 32 --prefill-seqs 2 --warmup 1 --repeats 1 --inner 1 --out {out}"
+    assert bench.main(argv.split()) == 0
+    result = json.loads(out.read_text())
+    [row] = result["decode"]
+    assert {"ours", "jax", "xla", "xla_chunk"} <= set(row) and "wrong" not in row
+    [row] = result["prefill"]
+    assert {"ours", "xla", "write_kv_ms"} <= set(row) and "wrong" not in row
