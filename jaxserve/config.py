@@ -28,6 +28,25 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # None: from kv_cache_memory_fraction of free device memory
+    kv_cache_memory_fraction: float = 0.9  # of the memory left after weights (accelerators)
+    cpu_kv_cache_bytes: int = 2 * 2**30  # KV budget on the CPU, where "free device memory" is the host's
+    enable_prefix_caching: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # most sequences in one decode step (also the largest decode bucket)
+    max_num_batched_tokens: int = 512  # most prompt tokens in one prefill step (largest prefill bucket)
+    max_prefill_seqs: int = 8  # most sequences sharing one prefill step
+    max_model_len: int = 2048  # prompt + output limit per sequence
+    decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
+    prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
 

@@ -1,0 +1,185 @@
+"""Requests, their sampling parameters, and the host-side state of each generated sequence.
+
+Plain Python: the scheduler and the API layers import this without touching jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import time
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range. `param` names it; the message gives the limit."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class RequestTooLongError(InvalidRequestError):
+    """The request can never fit (context length or the whole KV cache)."""
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request decoding parameters (vLLM/OpenAI semantics)."""
+
+    n: int = 1
+    best_of: int | None = None  # sample best_of, return the n with the best cumulative logprob
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words_ids: list[list[int]] | None = None  # token sequences never to complete
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: off; 0: chosen token only; N: also the top N
+    processed_logprobs: bool = False  # logprobs after penalties/temperature instead of raw
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0  # first prompt position to report (echo / logprob_start_len)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int, max_n: int = 128) -> None:
+        """Raise InvalidRequestError naming the first bad parameter and its allowed range."""
+        _int_range("n", self.n, 1, max_n)
+        if self.best_of is not None:
+            _int_range("best_of", self.best_of, self.n, max_n)
+        if self.max_tokens is not None:
+            _int_range("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        _int_range("min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else 2**31 - 1)
+        _float_range("temperature", self.temperature, 0.0, 100.0)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        _float_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float_range("min_p", self.min_p, 0.0, 1.0)
+        _float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        for tid, bias in (self.logit_bias or {}).items():
+            _token("logit_bias", tid, vocab_size)
+            _float_range("logit_bias", bias, -100.0, 100.0)
+        if self.logit_bias and len(self.logit_bias) > 300:
+            raise InvalidRequestError("logit_bias", f"at most 300 entries, got {len(self.logit_bias)}")
+        for words in self.bad_words_ids or []:
+            if not words:
+                raise InvalidRequestError("bad_words", "an entry tokenizes to nothing")
+            for tid in words:
+                _token("bad_words", tid, vocab_size)
+        if self.seed is not None:
+            _int_range("seed", self.seed, -(2**63), 2**64 - 1)
+        for tid in self.stop_token_ids:
+            _token("stop_token_ids", tid, vocab_size)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > 64:
+            raise InvalidRequestError("stop", f"at most 64 stop strings, got {len(self.stop)}")
+        if self.logprobs is not None:
+            _int_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+        _int_range("prompt_logprobs_start", self.prompt_logprobs_start, 0, 2**31 - 1)
+
+
+def _int_range(name: str, value: Any, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequestError(name, f"must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _float_range(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise InvalidRequestError(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+
+
+def _token(name: str, value: Any, vocab_size: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+        raise InvalidRequestError(name, f"token id {value!r} is outside the vocabulary [0, {vocab_size})")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One generated sample. Its KV entries live in `pages` (page ids, in token order)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt followed by output
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_total_tokens: int  # prompt + max_tokens, capped by the context limit
+    priority: int = 0  # lower runs first; ties by arrival
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    sample_index: int = 0  # which of the request's n / best_of samples
+    seed: int = 0  # this sample's sampling seed (the request's seed + sample_index, or random)
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pages
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop id or string that matched
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival, self.seq_id)

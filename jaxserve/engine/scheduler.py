@@ -1,0 +1,324 @@
+"""Continuous batching on the host: admission by page budget, chunked prefill, preemption by recompute.
+
+One engine iteration runs the plan's PREFILL step (ragged chunks, at most max_prefill_seqs sequences
+and max_num_batched_tokens tokens) and then its DECODE step (one token for each decoding sequence).
+A running sequence is in exactly one phase:
+
+  prefill  never sampled yet, or recomputing after preemption: the next chunk computes the K/V of
+           token_ids[num_computed_tokens:end]; the chunk with end == num_tokens also samples a token
+  decode   sampled before and num_computed_tokens == num_tokens - 1: the step writes the K/V of the
+           last (sampled) token and samples the next one
+
+Engine contract, once per iteration, all on the engine thread (the scheduler is not thread-safe):
+
+  plan = scheduler.schedule()
+  run plan.prefills, then plan.decodes, on the device
+  scheduler.advance(plan)       # num_computed_tokens += computed tokens; full pages -> prefix cache
+  seq.token_ids.append(token)   # for each chunk with chunk.samples, and for each decode
+  scheduler.finish(seq, reason) # for each stop: EOS, stop id/string, num_tokens == max_total_tokens
+
+The engine never sets num_computed_tokens, pages or status itself. `abort(request_id)` may be called
+between iterations; a sequence finished or aborted while its step ran is skipped by `advance`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.engine.pages import NULL_PAGE, PageAllocator
+from jaxserve.engine.request import (
+    FinishReason,
+    InvalidRequestError,
+    RequestTooLongError,
+    Sequence,
+    SequenceStatus,
+)
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """Compute the K/V of seq.token_ids[start:end]; the chunk that reaches the last token samples."""
+
+    seq: Sequence
+    start: int
+    end: int
+    samples: bool = dataclasses.field(init=False)  # fixed at plan time: the engine appends tokens later
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.seq.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class StepPlan:
+    prefills: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    decodes: list[Sequence] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)  # now WAITING, pages freed
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.prefills)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+def is_decoding(seq: Sequence) -> bool:
+    return seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int):
+        if page_size != allocator.page_size:
+            raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        # Sample 0 of an n > 1 request whose prompt is not computed yet; its siblings wait for it
+        # so that they find the prompt's full pages in the prefix cache instead of computing them.
+        self._leaders: dict[str, Sequence] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- admission control --------------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's max total tokens (prompt + output), or RequestTooLongError naming the numbers.
+
+        max_tokens=None means "up to the context limit", which is also capped by the KV cache.
+        """
+        n, limit = num_prompt_tokens, self.config.max_model_len
+        usable, size = self.allocator.num_usable_pages, self.page_size
+        capacity = usable * size
+        if n < 1:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        if max_tokens is None:
+            total = min(limit, capacity)
+            if n >= limit:
+                raise RequestTooLongError(
+                    "prompt", f"prompt has {n} tokens: the context limit of {limit} tokens leaves no room for output"
+                )
+            if n >= capacity:
+                raise RequestTooLongError(
+                    "prompt", f"prompt has {n} tokens: the KV cache holds only {usable} pages ({capacity} tokens)"
+                )
+            return total
+        total = n + max_tokens
+        numbers = f"prompt has {n} tokens and max_tokens is {max_tokens}"
+        if total > limit:
+            raise RequestTooLongError(
+                "prompt" if n >= limit else "max_tokens",
+                f"{numbers}: {total} exceeds the context limit of {limit} tokens",
+            )
+        if total > capacity:
+            raise RequestTooLongError(
+                "prompt" if n >= capacity else "max_tokens",
+                f"{numbers}: {total} tokens need {self.allocator.pages_for(total)} KV pages of {size} tokens, "
+                f"but the cache holds only {usable} pages ({capacity} tokens)",
+            )
+        return total
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Add sample 0 of an n > 1 request before its siblings."""
+        if seq.status is not SequenceStatus.WAITING or seq.pages or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} is not a fresh waiting sequence")
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        shares_a_page = seq.num_prompt_tokens - 1 >= self.page_size
+        if seq.sample_index == 0 and seq.params.num_samples > 1 and shares_a_page:
+            if self.allocator.enable_prefix_caching:
+                self._leaders[seq.request_id] = seq
+
+    # -- one iteration ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        # Running sequences first, oldest first: under page pressure the newest ones give way.
+        for seq in sorted(self.running, key=Sequence.sort_key):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an older one in this loop
+                continue
+            start = seq.num_computed_tokens
+            if start >= seq.num_tokens:
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} has all {seq.num_tokens} tokens computed and none to sample from: "
+                    "append the sampled token after advance()"
+                )
+            if is_decoding(seq):
+                if self._reserve(seq, start + 1, plan):
+                    plan.decodes.append(seq)
+            elif budget > 0 and len(plan.prefills) < self.config.max_prefill_seqs:
+                end = min(seq.num_tokens, start + budget)
+                if self._reserve(seq, end, plan):
+                    plan.prefills.append(PrefillChunk(seq, start, end))
+                    budget -= end - start
+        # Pages are short right now: admitting would only preempt the newcomer again next step.
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS)."""
+        i = 0
+        while i < len(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                return
+            if len(plan.prefills) >= self.config.max_prefill_seqs:
+                return
+            seq = self.waiting[i]
+            if self._is_held(seq):  # not a fairness question: it is waiting for its own sample 0
+                i += 1
+                continue
+            tokens = self._matchable_tokens(seq)
+            cached, num_cached = self.allocator.peek_prefix(tokens)
+            end = min(seq.num_tokens, num_cached + budget)
+            num_new = self.allocator.pages_for(end) - len(cached)
+            if not self.allocator.can_allocate(num_new, cached):
+                return
+            del self.waiting[i]
+            first_admission = seq.num_preemptions == 0
+            cached, num_cached = self.allocator.match_prefix(tokens, count_stats=first_admission)
+            seq.pages = cached + self.allocator.allocate(num_new)
+            seq.num_computed_tokens = num_cached
+            if first_admission:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.prefills.append(PrefillChunk(seq, num_cached, end))
+            budget -= end - num_cached
+
+    def _matchable_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens the prefix cache may serve. Prompt logprobs (reported by sample 0 on its first
+        pass) need the logits of every position from prompt_logprobs_start - 1 on, so those
+        positions must be computed, not served from the cache."""
+        params = seq.params
+        if params.prompt_logprobs is not None and seq.sample_index == 0 and seq.num_preemptions == 0:
+            return seq.token_ids[: max(params.prompt_logprobs_start, 1)]
+        return seq.token_ids
+
+    def _is_held(self, seq: Sequence) -> bool:
+        leader = self._leaders.get(seq.request_id)
+        return leader is not None and leader is not seq
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Give `seq` pages for `num_tokens` tokens, preempting the newest running sequences until
+        they fit. False if `seq` itself was the newest and got preempted."""
+        num_new = self.allocator.pages_for(num_tokens) - len(seq.pages)
+        while num_new > 0 and not self.allocator.can_allocate(num_new):
+            victim = max(self.running, key=Sequence.sort_key)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is seq:
+                return False
+        if num_new > 0:
+            seq.pages.extend(self.allocator.allocate(num_new))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything and requeue: the output so far stays in token_ids and is recomputed
+        (cheaply, if its pages are still in the prefix cache). Keeping its arrival puts it ahead of
+        everything that arrived after it in its priority."""
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def advance(self, plan: StepPlan) -> None:
+        """Record that the device ran `plan`: advance num_computed_tokens and publish newly full
+        pages to the prefix cache. Call exactly once per plan, before finishing its sequences."""
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens = chunk.end
+                self._computed(seq)
+        for seq in plan.decodes:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += 1
+                self._computed(seq)
+
+    def _computed(self, seq: Sequence) -> None:
+        self.allocator.register_full_pages(seq)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and self._leaders.get(seq.request_id) is seq:
+            del self._leaders[seq.request_id]  # its prompt pages are cached: release the siblings
+
+    # -- endings ------------------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark finished and free its pages (full computed pages stay in the prefix cache).
+        Finishing a finished sequence does nothing, so an abort racing a stop is harmless."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if self._leaders.get(seq.request_id) is seq:
+            del self._leaders[seq.request_id]
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request with FinishReason.ABORT; returns them."""
+        seqs = [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs
+
+    # -- invariants ---------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless every page reference is held by exactly one running sequence's
+        page list and waiting sequences hold nothing. Valid between iterations."""
+        self.allocator.check_invariants()
+        problems = []
+        held: collections.Counter[int] = collections.Counter()
+        for seq in self.running:
+            held.update(seq.pages)
+            if seq.status is not SequenceStatus.RUNNING:
+                problems.append(f"sequence {seq.seq_id} is in the running queue as {seq.status.value}")
+            if len(seq.pages) < self.allocator.pages_for(seq.num_computed_tokens):
+                problems.append(f"sequence {seq.seq_id} has computed tokens without pages")
+        for seq in self.waiting:
+            if seq.pages or seq.num_computed_tokens or seq.status is not SequenceStatus.WAITING:
+                problems.append(f"waiting sequence {seq.seq_id} holds pages or computed tokens")
+        if held[NULL_PAGE]:
+            problems.append("a sequence holds the null page 0")
+        for page in range(1, self.allocator.num_pages):
+            if self.allocator.ref_count(page) != held[page]:
+                problems.append(
+                    f"page {page} has ref_count {self.allocator.ref_count(page)} but {held[page]} holders"
+                )
+        if problems:
+            raise RuntimeError("scheduler integrity: " + "; ".join(problems[:16]))
+
+    def check_idle_integrity(self) -> None:
+        """`check_integrity`, plus, when nothing runs or waits, free + cached pages == all pages."""
+        self.check_integrity()
+        if not self.has_unfinished():
+            self.allocator.check_idle()
