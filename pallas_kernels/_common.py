@@ -61,6 +61,7 @@ def attend_items(
     softcap: float | None,
     window: jax.Array | int,
     chunk_pages: int,
+    layer: jax.Array | None = None,
 ) -> jax.Array:  # [items, rows, kv_heads, group, head_dim] float32
     """Attention of work items over the paged cache, in pure jnp: the engine of both references.
 
@@ -73,7 +74,7 @@ def attend_items(
     past `kv_len` are zeroed before the product (0 * NaN is NaN). A row that sees nothing returns 0.
     """
     items, rows, kv_heads, group, head_dim = q.shape
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     max_pages = pages.shape[1]
     chunk_pages = max(1, min(chunk_pages, max_pages))
     num_chunks = -(-max_pages // chunk_pages)
@@ -86,8 +87,8 @@ def attend_items(
     def step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         acc, m, l = carry
         idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
-        k = jnp.take(k_pages, idx, axis=1, mode="clip").reshape(kv_heads, items, chunk, head_dim)
-        v = jnp.take(v_pages, idx, axis=1, mode="clip").reshape(kv_heads, items, chunk, head_dim)
+        k = gather_pages(k_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim)
+        v = gather_pages(v_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = jnp.einsum("irkgd,kijd->irkgj", q, k, preferred_element_type=jnp.float32) * scale
         s = apply_softcap(s, softcap)
@@ -114,6 +115,19 @@ def attend_items(
         needed = jnp.max(jnp.where(jnp.any(row_ok, axis=1), kv_len, 0))
         acc, _, l = jax.lax.fori_loop(0, (needed + chunk - 1) // chunk, step, carry)
     return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+
+
+def gather_pages(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """Pages `idx` [items, n] of one layer -> [kv_heads, items, n, page_size, head_dim].
+
+    With `layer`, `pages` is the whole stacked cache [layers, kv_heads, num_pages, page_size,
+    head_dim] and the layer index goes into the same gather: slicing the layer out first would copy
+    that layer's entire cache on every call, which costs more than the attention itself.
+    """
+    if layer is None:
+        return jnp.take(pages, idx, axis=1, mode="clip")
+    # Advanced indices (layer, idx) around a slice put the index dims first: [items, n, kv_heads, ...].
+    return jnp.moveaxis(pages[layer, :, idx], 2, 0)
 
 
 def chunk_pages_for(items: int, rows: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> int:

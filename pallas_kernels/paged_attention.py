@@ -47,12 +47,13 @@ def paged_decode_attention_reference(
     softcap: float | None = None,
     window: jax.Array | int = 0,
     chunk_pages: int | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """Pure-jnp decode attention; `chunk_pages` (static) sets how many pages are read per step of
     the online softmax (default: about CHUNK_BYTES of intermediates; `max_pages_per_seq` = one dense
     pass)."""
     batch, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, page_size, _ = k_pages.shape[-4:]  # [layers,] kv_heads, pages, page_size, head_dim
     lengths = lengths.astype(jnp.int32)
     if chunk_pages is None:
         chunk_pages = chunk_pages_for(batch, 1, q_heads, kv_heads, head_dim, page_size)
@@ -68,6 +69,7 @@ def paged_decode_attention_reference(
         softcap=softcap,
         window=window,
         chunk_pages=chunk_pages,
+        layer=layer,
     )
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
 

@@ -123,11 +123,14 @@ def ragged_paged_attention_reference(
     window: jax.Array | int = 0,
     q_block: int | None = None,
     chunk_pages: int | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """Pure-jnp ragged attention. `q_block` (static): query rows per work item (default from the
-    bucket shape); `chunk_pages` (static): pages per online-softmax step (default: bounded memory)."""
+    bucket shape); `chunk_pages` (static): pages per online-softmax step (default: bounded memory).
+    With `layer` (a traced int32), k_pages/v_pages are the engine's whole stacked cache [layers,
+    kv_heads, num_pages, page_size, head_dim] and only that layer is read."""
     total, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    kv_heads, _, page_size, _ = k_pages.shape[-4:]  # [layers,] kv_heads, pages, page_size, head_dim
     max_seqs = page_tables.shape[0]
     tq = q_block or default_q_block(total, max_seqs)
     w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
@@ -149,6 +152,7 @@ def ragged_paged_attention_reference(
         softcap=softcap,
         window=window,
         chunk_pages=chunk_pages,
+        layer=layer,
     ).reshape(num_items, tq, q_heads, head_dim)
 
     out = item_out[w.token_item, w.token_row]  # each real token reads its row back from its item

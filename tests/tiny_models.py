@@ -70,3 +70,14 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0) -> transformers.P
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer over "w0".."w{n}" (enough for engine tests on the tiny models)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", bos_token="w1").save_pretrained(directory)

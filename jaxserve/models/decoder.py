@@ -26,12 +26,14 @@ class AttentionFn(Protocol):
     """Attend q to k/v for one layer.
 
     q: [batch, tokens, q_heads, head_dim]; k, v: [batch, tokens, kv_heads, head_dim];
-    cache: this layer's slice of whatever the caller scans over (None for the dense forward);
-    window: sliding window of this layer (0 = full), a traced int32 scalar.
+    cache: the caller's whole cache pytree, carried through the layer scan (None for the dense
+    forward) -- whole, not sliced per layer, so writes and reads index the layer inside one
+    scatter/gather and the cache buffer is updated in place instead of copied layer by layer;
+    window: sliding window of this layer (0 = full) and layer: its index, traced int32 scalars.
     Returns ([batch, tokens, q_heads, head_dim], new cache).
     """
 
-    def __call__(self, q: Array, k: Array, v: Array, cache: Any, window: Array) -> tuple[Array, Any]: ...
+    def __call__(self, q: Array, k: Array, v: Array, cache: Any, window: Array, layer: Array) -> tuple[Array, Any]: ...
 
 
 def _zeros(stack: tuple[int, ...], *shape: int, dtype: Any) -> nnx.Param:
@@ -128,10 +130,10 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(
-        self, x: Array, positions: Array, inv_freq: Array, attend: AttentionFn, cache: Any, window: Array
+        self, x: Array, positions: Array, inv_freq: Array, attend: AttentionFn, cache: Any, window: Array, layer: Array
     ) -> tuple[Array, Any]:
         q, k, v = self.qkv(x, positions, inv_freq)
-        out, cache = attend(q, k, v, cache, window)
+        out, cache = attend(q, k, v, cache, window, layer)
         b, t = x.shape[:2]
         return self.o_proj(out.reshape(b, t, -1).astype(x.dtype)), cache
 
@@ -161,9 +163,9 @@ class DecoderLayer(nnx.Module):
         self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
 
     def __call__(
-        self, x: Array, positions: Array, inv_freq: Array, attend: AttentionFn, cache: Any, window: Array
+        self, x: Array, positions: Array, inv_freq: Array, attend: AttentionFn, cache: Any, window: Array, layer: Array
     ) -> tuple[Array, Any]:
-        h, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend, cache, window)
+        h, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend, cache, window, layer)
         if self.pre_feedforward_layernorm is None:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x)), cache
@@ -191,19 +193,22 @@ class Decoder(nnx.Module):
         return x
 
     def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn, cache: Any = None) -> tuple[Array, Any]:
-        """Run every layer. tokens, positions: [batch, tokens]. cache: per-layer pytree with a
-        leading [num_layers] axis (or None). Returns final-normed hidden [b, t, hidden], new cache."""
+        """Run every layer. tokens, positions: [batch, tokens]. cache: any pytree `attend`
+        understands (or None), carried through the layers. Returns final-normed hidden
+        [b, t, hidden] and the new cache."""
         x = self.embed(tokens)
         inv_freq = rope_inv_freq(self.cfg)
         windows = jnp.asarray(self.cfg.windows(), jnp.int32)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(h: Array, per_layer: tuple[Any, Any, Array]) -> tuple[Array, Any]:
-            state, layer_cache, window = per_layer
+        def body(carry: tuple[Array, Any], per_layer: tuple[Any, Array, Array]) -> tuple[tuple[Array, Any], None]:
+            h, cache = carry
+            state, window, index = per_layer
             layer = nnx.merge(graphdef, state)
-            return layer(h, positions, inv_freq, attend, layer_cache, window)
+            return layer(h, positions, inv_freq, attend, cache, window, index), None
 
-        x, cache = jax.lax.scan(body, x, (layer_state, cache, windows))
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, windows, layer_ids))
         return self.norm(x), cache
 
     def logits(self, hidden: Array) -> Array:
@@ -226,7 +231,7 @@ def dense_attention(positions: Array, lengths: Array, cfg: DecoderConfig) -> Att
     valid_k = jnp.arange(t)[None, :] < lengths[:, None]  # [b, t_k]
     q_pos, k_pos = positions[:, :, None], positions[:, None, :]
 
-    def attend(q: Array, k: Array, v: Array, cache: Any, window: Array) -> tuple[Array, Any]:
+    def attend(q: Array, k: Array, v: Array, cache: Any, window: Array, layer: Array) -> tuple[Array, Any]:
         mask = (k_pos <= q_pos) & valid_k[:, None, :]
         mask &= (window == 0) | (q_pos - k_pos < window)
         return grouped_attention(q, k, v, mask, cfg.scale, cfg.attn_logit_softcap), cache

@@ -272,3 +272,25 @@ def test_validate_write_inputs_rejects(over, match):
     args.update(over)
     with pytest.raises(ValueError, match=match):
         validate_write_inputs(**args)
+
+
+@pytest.mark.parametrize("chunk_pages", [1, MAX_PAGES])
+def test_references_read_one_layer_of_a_stacked_cache(chunk_pages):
+    """With `layer`, the references read only that layer of the engine's stacked
+    [layers, kv_heads, pages, page_size, head_dim] cache (the other layers hold NaN)."""
+    batch = ragged_case(9, group=2, dtype="float32")
+    c = batch.cache
+    poison = np.full_like(np.asarray(c.k_pages), np.nan)
+    k_all = jnp.asarray(np.stack([poison, np.asarray(c.k_pages), poison]))
+    v_all = jnp.asarray(np.stack([poison, np.asarray(c.v_pages), poison]))
+    f = jax.jit(functools.partial(ragged_paged_attention_reference, scale=0.3, window=5, chunk_pages=chunk_pages))
+    out = f(batch.q, k_all, v_all, c.page_tables, batch.cu_q_lens, c.kv_lens, jnp.int32(batch.num_seqs),
+            layer=jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(out), naive_ragged(batch, scale=0.3, window=5), **TOLERANCES["float32"])
+    q, cache = decode_case(9, group=2, dtype="float32")
+    k_all = jnp.asarray(np.stack([np.asarray(cache.k_pages), np.full_like(np.asarray(cache.k_pages), np.nan)]))
+    v_all = jnp.asarray(np.stack([np.asarray(cache.v_pages), np.full_like(np.asarray(cache.v_pages), np.nan)]))
+    out = jax.jit(functools.partial(paged_decode_attention_reference, scale=0.3, chunk_pages=chunk_pages))(
+        q, k_all, v_all, cache.page_tables, cache.kv_lens, layer=jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(out), naive_decode(q.astype(np.float64), cache, scale=0.3),
+                               **TOLERANCES["float32"])

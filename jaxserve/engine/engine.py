@@ -1,0 +1,305 @@
+"""Engine: requests in, output deltas out. Ties the scheduler (host), the runner (device) and
+the per-sequence text state together; one `step()` is one engine iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.buckets import BucketTable
+from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
+from jaxserve.engine.output import CompletionOutput, RequestOutput, SequenceText, TokenLogprob
+from jaxserve.engine.pages import PageAllocator
+from jaxserve.engine.request import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
+from jaxserve.engine.runner import Bucket, ModelRunner, build_inputs
+from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_batch
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.models.decoder import Decoder
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu (auto resolved by the caller)
+    max_n: int = 128  # most samples (n / best_of) per request
+    compilation_cache_dir: Path | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    texts: list[SequenceText]
+    arrival: float
+
+
+def enable_compilation_cache(directory: Path) -> None:
+    """JAX's persistent compilation cache: a warm start-up reads compiled steps from disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Engine:
+    def __init__(self, decoder: Decoder, tokenizer: Tokenizer, config: EngineConfig = EngineConfig()):
+        if config.compilation_cache_dir is not None:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.cfg = decoder.cfg
+        self.tokenizer = tokenizer
+        self.config = config
+        sched = config.scheduler
+        if sched.max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.cfg.max_position_embeddings}"
+            )
+        page_size = config.cache.page_size
+        num_pages = num_pages_for(config.cache, self.cfg, decoder.dtype, jax.devices()[0])
+        log.info("KV cache: %d pages = %d tokens (%.1f MiB)", num_pages, num_pages * page_size,
+                 num_pages * bytes_per_page(self.cfg, page_size, decoder.dtype) / 2**20)
+        self.allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.allocator, page_size)
+        self.buckets = BucketTable(sched)
+        self.max_pages_per_seq = math.ceil(sched.max_model_len / page_size)
+        self.runner = ModelRunner(decoder, num_pages, page_size, self.max_pages_per_seq,
+                                  attention_backend=config.attention_backend)
+        self.vocab_size = self.cfg.vocab_size
+        self.eos_ids = set(self.cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        self.requests: dict[str, _Request] = {}
+        self.compile_seconds: dict[Bucket, float] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def step_buckets(self) -> list[Bucket]:
+        sched = self.config.scheduler
+        prefill = [Bucket("prefill", t, min(sched.max_prefill_seqs, t)) for t in self.buckets.prefill_buckets]
+        decode = [Bucket("decode", b, b) for b in self.buckets.decode_buckets]
+        return prefill + decode
+
+    def compile(self) -> float:
+        """Compile every step shape ahead of time; returns the total seconds."""
+        start = time.perf_counter()
+        self.compile_seconds = self.runner.compile(self.step_buckets(), lambda s: self._sampling([], s))
+        return time.perf_counter() - start
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Validate and queue. Raises InvalidRequestError (bad parameter) or RequestTooLongError."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        params.validate(self.vocab_size, self.config.max_n)
+        banned = len(params.bad_words_ids or []) + len(params.stop_token_ids) + len(self.eos_ids)
+        if banned > MAX_BANNED_IDS:
+            raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")
+        max_total = self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        base_seed = params.seed if params.seed is not None else secrets.randbits(32)
+        seqs, texts = [], []
+        for i in range(params.num_samples):
+            seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
+                           params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
+                           seed=(base_seed + i) % 2**32)
+            seqs.append(seq)
+            texts.append(SequenceText(seq, self.tokenizer))
+        self.requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its pages are free before the next step."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        outputs = [self._final_delta(req, i, force=True) for i in range(len(req.seqs))]
+        return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True,
+                             req.seqs[0].num_cached_tokens)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if plan.is_empty:
+            return []
+        self.num_steps += 1
+        sampled: list[tuple[Sequence, Any, int]] = []  # (seq, step output, row)
+        if plan.prefills:
+            bucket = self._prefill_bucket(plan.num_prefill_tokens)
+            rows = [(c.seq.token_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills]
+            out = self._run(bucket, rows, [c.seq for c in plan.prefills])
+            sampled += [(c.seq, out, i) for i, c in enumerate(plan.prefills) if c.samples]
+        if plan.decodes:
+            bucket = self._decode_bucket(len(plan.decodes))
+            rows = [([s.token_ids[-1]], s.num_tokens - 1, s.pages) for s in plan.decodes]
+            out = self._run(bucket, rows, plan.decodes)
+            sampled += [(s, out, i) for i, s in enumerate(plan.decodes)]
+        self.scheduler.advance(plan)
+        fetched: dict[int, Any] = {}
+        touched: dict[str, _Request] = {}
+        for seq, out, row in sampled:
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            host = fetched.get(id(out))
+            if host is None:
+                host = fetched[id(out)] = jax.tree_util.tree_map(np.asarray, out)
+            self._append(seq, host, row)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [o for req in touched.values() if (o := self._request_delta(req)) is not None]
+
+    def _prefill_bucket(self, tokens: int) -> Bucket:
+        size = self.buckets.prefill_bucket(tokens)
+        return Bucket("prefill", size, min(self.config.scheduler.max_prefill_seqs, size))
+
+    def _decode_bucket(self, seqs: int) -> Bucket:
+        size = self.buckets.decode_bucket(seqs)
+        return Bucket("decode", size, size)
+
+    def _run(self, bucket: Bucket, rows: list, seqs: list[Sequence]) -> Any:
+        inputs = build_inputs(bucket, rows, self.allocator.page_size, self.max_pages_per_seq,
+                              self._sampling(seqs, bucket.seqs))
+        return self.runner.run(bucket, inputs)
+
+    # ---- sampling inputs -----------------------------------------------------------------------
+    def _sampling(self, seqs: list[Sequence], size: int) -> Any:
+        width = self.config.scheduler.max_model_len
+        return make_sampling_batch([self._row(s) for s in seqs], self.vocab_size, size, width, width)
+
+    def _row(self, seq: Sequence) -> RowParams:
+        p = seq.params
+        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        want = p.logprobs if p.logprobs is not None else (0 if p.best_of and p.best_of > p.n else -1)
+        return RowParams(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {},
+            banned_ids=self._banned(seq), seed=seq.seed, step=seq.num_output_tokens,
+            num_logprobs=want, processed_logprobs=p.processed_logprobs,
+            output_tokens=seq.output_ids if penalised else (),
+            prompt_tokens=seq.prompt_ids if p.repetition_penalty != 1.0 else (),
+        )
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        p = seq.params
+        banned: set[int] = set()
+        if seq.num_output_tokens < p.min_tokens:
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        out = seq.output_ids
+        for words in p.bad_words_ids or []:
+            prefix = words[:-1]
+            if not prefix or out[len(out) - len(prefix) :] == prefix:
+                banned.add(words[-1])
+        return sorted(banned)
+
+    # ---- postprocessing ------------------------------------------------------------------------
+    def _append(self, seq: Sequence, out: Any, row: int) -> None:
+        token = int(out.token[row])
+        p = seq.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += float(out.logprob[row])
+        logprob = None
+        if p.logprobs is not None:
+            top = [(int(i), float(v)) for i, v in zip(out.top_ids[row][: p.logprobs], out.top_logprobs[row][: p.logprobs])]
+            logprob = TokenLogprob(token, float(out.logprob[row]), top)
+        req = self.requests[seq.request_id]
+        text = req.texts[seq.sample_index]
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        past_min = seq.num_output_tokens > p.min_tokens
+        if token in self.eos_ids and not p.ignore_eos and past_min:
+            reason = FinishReason.STOP
+        elif token in p.stop_token_ids and past_min:
+            reason, stop_reason = FinishReason.STOP, token
+        matched = text.add(token, logprob, check_stops=past_min, show_text=reason is None)
+        if matched is not None:
+            reason, stop_reason = FinishReason.STOP, matched
+        elif reason is None and (
+            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= seq.max_total_tokens
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            text.finish_text(stopped_by_string=matched is not None)
+
+    def _request_delta(self, req: _Request) -> RequestOutput | None:
+        hide = req.params.best_of is not None and req.params.best_of > req.params.n  # choose at the end
+        finished = all(s.is_finished for s in req.seqs)
+        outputs: list[CompletionOutput] = []
+        if not hide:
+            for i, (seq, text) in enumerate(zip(req.seqs, req.texts)):
+                d = text.delta(seq, i, req.params.logprobs is not None)
+                if d is not None:
+                    outputs.append(d)
+        elif finished:
+            best = sorted(range(len(req.seqs)), key=lambda i: -req.seqs[i].cumulative_logprob)[: req.params.n]
+            full = [req.texts[i] for i in best]
+            for rank, i in enumerate(best):
+                full[rank].emitted = 0
+                d = req.texts[i].delta(req.seqs[i], rank, req.params.logprobs is not None)
+                d.token_ids = req.seqs[i].output_ids
+                outputs.append(d)
+        if finished:
+            self.requests.pop(req.request_id, None)
+        if not outputs and not finished:
+            return None
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens)
+
+    def _final_delta(self, req: _Request, i: int, force: bool) -> CompletionOutput | None:
+        seq = req.seqs[i]
+        if seq.finish_reason is None:
+            seq.finish_reason = FinishReason.ABORT
+            seq.status = SequenceStatus.FINISHED
+        return req.texts[i].delta(seq, i, req.params.logprobs is not None)
+
+    # ---- checks ------------------------------------------------------------------------------------
+    def check_idle_integrity(self) -> None:
+        self.scheduler.check_idle_integrity()
+
+
+def run_to_completion(engine: Engine, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
+    """Step until the given requests finish; returns their accumulated outputs."""
+    pending = set(request_ids)
+    results: dict[str, RequestOutput] = {}
+    while pending:
+        deltas = engine.step()
+        if not deltas and not engine.has_unfinished():
+            raise RuntimeError(f"requests {sorted(pending)} never finished")
+        for d in deltas:
+            if d.request_id in results:
+                results[d.request_id].merge(d)
+            else:
+                results[d.request_id] = dataclasses.replace(d, outputs=[])
+                results[d.request_id].merge(d)
+            if d.finished:
+                pending.discard(d.request_id)
+    return results

@@ -1,0 +1,157 @@
+"""ModelRunner: the only owner of device arrays. It compiles one jitted step per bucket ahead of
+time and runs a scheduler's plan through it.
+
+One step function serves prefill and decode: the scheduled tokens of up to `max_seqs`
+sequences, concatenated ([tokens] ragged, padded to the bucket), attend over the paged cache
+through the ragged paged-attention interface. A decode bucket is `tokens == max_seqs == B`
+(one token per sequence); a prefill bucket is T tokens from up to `max_prefill_seqs` chunks.
+The step writes the new K/V into the (donated) cache, samples one token per sequence from the
+logits at its last scheduled token, and returns only the sampled ids and logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.engine import attention
+from jaxserve.engine.kv_cache import KVCache
+from jaxserve.engine.sampler import SampleOutput, SamplingBatch, sample
+from jaxserve.models.decoder import Decoder
+
+log = logging.getLogger("jaxserve.engine")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """Host-built inputs of one step; every shape is fixed by the bucket (tokens T, seqs S)."""
+
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slots: jax.Array  # [T] int32 flat KV slot (page * page_size + offset), -1 for padding
+    page_tables: jax.Array  # [S, max_pages_per_seq] int32
+    cu_q_lens: jax.Array  # [S + 1] int32
+    kv_lens: jax.Array  # [S] int32, KV length after this step
+    num_seqs: jax.Array  # [] int32
+    sample_rows: jax.Array  # [S] int32: the token whose logits sample each sequence's next token
+    sampling: SamplingBatch  # [S] rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    kind: str  # "prefill" | "decode"
+    tokens: int
+    seqs: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        decoder: Decoder,
+        num_pages: int,
+        page_size: int,
+        max_pages_per_seq: int,
+        *,
+        kv_dtype: Any = None,
+        attention_backend: str = "reference",
+        sampling_shape: Callable[[int], SamplingBatch] | None = None,
+    ):
+        self.cfg = decoder.cfg
+        self.graphdef, self.params = nnx.split(decoder)
+        self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype)
+        self.attention_backend = attention_backend
+        self._sampling_shape = sampling_shape
+        self._compiled: dict[Bucket, Any] = {}
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+
+    # ---- the jitted step ----------------------------------------------------------------------
+    def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput]:
+        model: Decoder = nnx.merge(self.graphdef, params)
+        attend = attention.paged_attend(
+            inp.slots, inp.page_tables, inp.cu_q_lens, inp.kv_lens, inp.num_seqs,
+            scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap, page_size=self.page_size,
+            backend=self.attention_backend,
+        )
+        hidden, kv = model.hidden_states(inp.tokens[None], inp.positions[None], attend, kv)
+        logits = model.logits(hidden[0, inp.sample_rows])  # [S, vocab] float32
+        return kv, sample(logits, inp.sampling)
+
+    # ---- ahead-of-time compilation --------------------------------------------------------------
+    def abstract_inputs(self, bucket: Bucket, sampling: SamplingBatch) -> StepInputs:
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        t, s = bucket.tokens, bucket.seqs
+        return StepInputs(
+            tokens=i32(t), positions=i32(t), slots=i32(t), page_tables=i32(s, self.max_pages_per_seq),
+            cu_q_lens=i32(s + 1), kv_lens=i32(s), num_seqs=i32(), sample_rows=i32(s),
+            sampling=jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling),
+        )
+
+    def compile(self, buckets: list[Bucket], sampling_for: Callable[[int], SamplingBatch]) -> dict[Bucket, float]:
+        """Compile every bucket now (progress bar; seconds per shape logged). With the persistent
+        compilation cache warm, this is mostly cache reads."""
+        seconds: dict[Bucket, float] = {}
+        with tqdm(buckets, desc="compiling steps", unit="shape", disable=None) as bar:
+            for bucket in bar:
+                bar.set_postfix_str(f"{bucket.kind} tokens={bucket.tokens} seqs={bucket.seqs}")
+                start = time.perf_counter()
+                lowered = self._step.lower(self.params, self.kv, self.abstract_inputs(bucket, sampling_for(bucket.seqs)))
+                self._compiled[bucket] = lowered.compile()
+                seconds[bucket] = time.perf_counter() - start
+                log.info("compiled %s step tokens=%d seqs=%d in %.2fs", bucket.kind, bucket.tokens, bucket.seqs,
+                         seconds[bucket])
+        return seconds
+
+    def run(self, bucket: Bucket, inputs: StepInputs) -> SampleOutput:
+        """Dispatch one step (asynchronously: the result is a future until read)."""
+        compiled = self._compiled.get(bucket)
+        if compiled is None:
+            raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
+        self.kv, out = compiled(self.params, self.kv, inputs)
+        return out
+
+
+def build_inputs(
+    bucket: Bucket,
+    chunks: list[tuple[list[int], int, list[int]]],
+    page_size: int,
+    max_pages_per_seq: int,
+    sampling: SamplingBatch,
+) -> StepInputs:
+    """Pack (new token ids, first position, page table) per sequence into padded step arrays."""
+    t, s = bucket.tokens, bucket.seqs
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.full(t, -1, np.int32)
+    page_tables = np.zeros((s, max_pages_per_seq), np.int32)
+    cu = np.zeros(s + 1, np.int32)
+    kv_lens = np.zeros(s, np.int32)
+    sample_rows = np.zeros(s, np.int32)
+    offset = 0
+    for i, (ids, start, pages) in enumerate(chunks):
+        n = len(ids)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        table = np.asarray(pages, np.int32)
+        tokens[offset : offset + n] = ids
+        positions[offset : offset + n] = pos
+        slots[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
+        page_tables[i, : len(table)] = table
+        cu[i + 1] = offset + n
+        kv_lens[i] = start + n
+        sample_rows[i] = offset + n - 1
+        offset += n
+    cu[len(chunks) + 1 :] = offset
+    return StepInputs(
+        tokens=tokens, positions=positions, slots=slots, page_tables=page_tables, cu_q_lens=cu, kv_lens=kv_lens,
+        num_seqs=np.int32(len(chunks)), sample_rows=sample_rows, sampling=sampling,
+    )

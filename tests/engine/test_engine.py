@@ -1,0 +1,168 @@
+"""The engine end to end on the real SmolLM2 model (float32, CPU): paged, batched, chunked,
+prefix-cached and preempted greedy decoding equals the no-cache reference token for token; stop
+conditions, seeds, n/best_of, logprobs, abort, refusal, and no compilation after warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+from jaxserve.engine.request import RequestTooLongError, SamplingParams
+from jaxserve.models.reference import greedy_reference
+from jaxserve.weights import load_model
+from smollm2 import smollm2_gguf
+
+pytestmark = pytest.mark.slow
+
+LONG = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. The story should "
+    "mention the sea, the weather, a seagull called Pip, and end with a surprising twist about the sender "
+    "of the message, who turns out to be"
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", LONG, "1, 2, 3, 4,"]
+# 11 usable pages of 16 tokens (176 tokens): four concurrent 46-85-token sequences cannot all fit.
+SMALL = EngineConfig(
+    cache=CacheConfig(page_size=16, num_pages=12),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240),
+)
+
+
+@pytest.fixture(scope="module")
+def model(cache_dir):
+    return load_model(smollm2_gguf(), "float32", cache_dir=cache_dir).model
+
+
+@pytest.fixture(scope="module")
+def engine(model, smollm2_tokenizer, cache_dir):
+    import dataclasses
+
+    engine = Engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, compilation_cache_dir=cache_dir / "xla"))
+    engine.compile()
+    return engine
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list:
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    results = run_to_completion(engine, ids)
+    engine.check_idle_integrity()
+    return [results[r] for r in ids]
+
+
+def test_greedy_equals_reference_with_chunking_preemption_and_prefix_hits(engine, model, smollm2_tokenizer):
+    prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    assert max(map(len, prompts)) > SMALL.scheduler.max_num_batched_tokens  # chunked prefill
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = greedy_reference(model, prompts, 40)
+    before = engine.num_preemptions
+    first = _run(engine, prompts, params, "greedy")
+    assert [r.outputs[0].token_ids for r in first] == expected
+    assert engine.num_preemptions > before  # the small page budget forced recompute
+    second = _run(engine, prompts, params, "again")  # full prompt pages now come from the cache
+    assert [r.outputs[0].token_ids for r in second] == expected
+    assert any(r.num_cached_tokens >= 16 for r in second)
+    assert all(r.outputs[0].text == smollm2_tokenizer.decode(e) for r, e in zip(second, expected))
+
+
+def test_stop_string_across_tokens(engine, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+    base = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), "base")[0]
+    assert base.outputs[0].text.startswith(" Paris.\n\nThe answer is")
+    cut = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=["answer is"]), "stop")[0]
+    out = cut.outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (" Paris.\n\nThe ", "stop", "answer is")
+    keep = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=["answer is"],
+                                                 include_stop_str_in_output=True), "keep")[0]
+    assert keep.outputs[0].text == " Paris.\n\nThe answer is"
+
+
+def test_stop_token_ids_eos_min_tokens_and_length(engine, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
+    natural = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60), "eos")[0].outputs[0]
+    assert natural.finish_reason == "stop" and natural.stop_reason is None  # EOS
+    assert natural.token_ids[-1] == smollm2_tokenizer.eos_token_id
+    assert natural.text == "The answer to this classic math problem is 4."
+    n = len(natural.token_ids)
+    forced = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60, min_tokens=n + 3), "min")[0]
+    assert len(forced.outputs[0].token_ids) >= n + 3
+    assert smollm2_tokenizer.eos_token_id not in forced.outputs[0].token_ids[: n + 2]
+    dot = natural.token_ids[-2]  # the "." before EOS
+    by_id = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[dot]), "id")[0]
+    assert by_id.outputs[0].token_ids == natural.token_ids[:-1]
+    assert (by_id.outputs[0].finish_reason, by_id.outputs[0].stop_reason) == ("stop", dot)
+    short = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=3), "len")[0].outputs[0]
+    assert (len(short.token_ids), short.finish_reason) == (3, "length")
+
+
+def test_seeds_are_reproducible_whatever_the_batch(engine, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode("Once upon a time")
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = _run(engine, [prompt], seeded, "s1")[0].outputs[0].token_ids
+    others = [smollm2_tokenizer.encode(p) for p in PROMPTS[:2]]
+    crowd = _run(engine, [prompt] + others, seeded, "s2")[0].outputs[0].token_ids
+    assert alone == crowd
+    other_seed = SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True)
+    assert _run(engine, [prompt], other_seed, "s3")[0].outputs[0].token_ids != alone
+
+
+def test_n_best_of_and_logprobs(engine, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode("My favourite fruit is")
+    res = _run(engine, [prompt], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, logprobs=2,
+                                                ignore_eos=True), "n")[0]
+    assert [o.index for o in res.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in res.outputs}) > 1
+    for o in res.outputs:
+        assert len(o.logprobs) == len(o.token_ids) == 8
+        for tid, lp in zip(o.token_ids, o.logprobs):
+            assert lp.token_id == tid and lp.logprob <= 0 and len(lp.top) == 2
+            assert lp.top[0][1] >= lp.top[1][1] and lp.logprob <= lp.top[0][1] + 1e-6
+        np.testing.assert_allclose(o.cumulative_logprob, sum(lp.logprob for lp in o.logprobs), rtol=1e-5)
+    best = _run(engine, [prompt], SamplingParams(n=1, best_of=4, temperature=1.0, max_tokens=8, seed=7,
+                                                 ignore_eos=True), "best")[0]
+    assert len(best.outputs) == 1 and len(best.outputs[0].token_ids) == 8
+    # Same seeds as the n=3 run for samples 0-2, so the best of 4 is at least as good as those.
+    assert best.outputs[0].cumulative_logprob >= max(o.cumulative_logprob for o in res.outputs) - 1e-4
+
+
+def test_abort_frees_everything(engine, smollm2_tokenizer):
+    engine.add_request("abort-me", smollm2_tokenizer.encode(LONG), SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    final = engine.abort("abort-me")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished()
+    engine.check_idle_integrity()
+
+
+def test_requests_that_can_never_fit_are_refused(engine, smollm2_tokenizer):
+    with pytest.raises(RequestTooLongError, match=r"5 tokens.*300.*240"):
+        engine.add_request("too-long", smollm2_tokenizer.encode("The capital of France is"),
+                           SamplingParams(max_tokens=300))
+    assert not engine.has_unfinished()
+
+
+def test_no_compilation_after_warm_up(engine, smollm2_tokenizer):
+    import jax
+
+    compiles: list[str] = []
+
+    def listener(event: str, *args, **kwargs) -> None:
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+        _run(engine, prompts, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=20, seed=1,
+                                             repetition_penalty=1.2, presence_penalty=0.5, logprobs=3,
+                                             logit_bias={11: 2.0}, min_tokens=2, stop=["\n\n"]), "mix")
+        _run(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=5, n=2), "mix2")
+        served = list(compiles)
+        jax.jit(lambda x: x * 3 + 1)(np.float32(2))  # control: the listener does see a compilation
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert served == []
+    assert compiles, "the compile listener saw nothing, so it proves nothing"

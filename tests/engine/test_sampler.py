@@ -1,0 +1,430 @@
+"""The on-device sampler against NumPy references: exact tests for bias, bans, penalties and logprobs,
+fixed-seed statistical tests (chi-square) for temperature, top-k, top-p and min-p.
+
+Shapes are shared between tests so the whole file compiles the sampler only a handful of times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+from jaxserve.engine.sampler import (
+    MAX_TOP_LOGPROBS,
+    RowParams,
+    SampleOutput,
+    SamplingBatch,
+    _apply_top_k,
+    _apply_top_p,
+    make_sampling_batch,
+    sample,
+)
+
+V = 64  # vocabulary of the small tests
+B = 8  # batch of the small tests
+LO = LP = 16  # token-history widths of the small tests
+NB = NBAN = 8  # sparse bias / ban widths of the tests
+NUM_DRAWS = 4000  # rows of the statistical tests (one row per step)
+P_MIN = 1e-3  # chi-square p-value below which a distribution is rejected (seeds are fixed)
+
+SAMPLE = jax.jit(sample)
+
+
+def _logits(seed: int, rows: int = B, vocab: int = V, scale: float = 2.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+def _run(logits: np.ndarray, rows: list[RowParams], lo: int = LO, lp: int = LP) -> SampleOutput:
+    batch = make_sampling_batch(rows, logits.shape[-1], logits.shape[0], lo, lp, num_bias=NB, num_banned=NBAN)
+    return jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits), batch))
+
+
+def _draw(logits_row: np.ndarray, row: RowParams, n: int = NUM_DRAWS) -> np.ndarray:
+    """n draws of one request, one per step, made as one batch of n rows (no token histories)."""
+    rows = [dataclasses.replace(row, step=i) for i in range(n)]
+    return _run(np.tile(logits_row, (n, 1)), rows, lo=0, lp=0).token
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x[np.isfinite(x)].max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def _assert_distribution(tokens: np.ndarray, probs: np.ndarray) -> None:
+    """Support within probs > 0, and a chi-square goodness of fit over that support."""
+    support = np.flatnonzero(probs > 0)
+    assert set(np.unique(tokens)) <= set(support.tolist()), "sampled a token of probability 0"
+    observed = np.bincount(tokens, minlength=len(probs))[support].astype(np.float64)
+    expected = probs[support] / probs[support].sum() * len(tokens)
+    # Chi-square wants >= 5 expected draws per cell: pool the rarest tokens into one cell.
+    order = np.argsort(expected)
+    num_pooled = 0
+    while num_pooled < len(order) and (
+        expected[order[num_pooled]] < 5 or 0 < expected[order[:num_pooled]].sum() < 5
+    ):
+        num_pooled += 1
+    if num_pooled:
+        pooled, rest = order[:num_pooled], order[num_pooled:]
+        observed = np.append(observed[rest], observed[pooled].sum())
+        expected = np.append(expected[rest], expected[pooled].sum())
+    assert expected.min() >= 5, "test design: too few draws for a chi-square test"
+    stat = ((observed - expected) ** 2 / expected).sum()
+    assert chi2.sf(stat, len(expected) - 1) > P_MIN, (observed, expected.round(1))
+
+
+def _keep_top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    kth = np.sort(probs)[::-1][k - 1]
+    return np.where(probs >= kth, probs, 0.0)
+
+
+def _keep_top_p(probs: np.ndarray, p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    ranked = probs[order] / probs.sum()
+    before = np.cumsum(ranked) - ranked
+    threshold = ranked[before < p][-1]
+    return np.where(probs / probs.sum() >= threshold, probs, 0.0)
+
+
+def _np_processed(logits: np.ndarray, row: RowParams) -> np.ndarray:
+    """NumPy (float64) reimplementation of bias -> bans -> penalties -> temperature."""
+    x = logits.astype(np.float64).copy()
+    for token, bias in row.logit_bias.items():
+        x[token] += bias
+    x[list(row.banned_ids)] = -np.inf
+    counts = np.bincount(np.asarray(row.output_tokens, int), minlength=len(x))
+    seen = counts > 0
+    seen[list(row.prompt_tokens)] = True
+    rp = row.repetition_penalty
+    x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
+    x = x - row.frequency_penalty * counts - row.presence_penalty * (counts > 0)
+    return x / (row.temperature if row.temperature > 0 else 1.0)
+
+
+# --------------------------------------------------------------------------- greedy, seeds, batches
+
+
+def test_greedy_is_argmax_whatever_the_filters():
+    logits = _logits(0)
+    rows = [RowParams(temperature=0.0, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate([(0, 1.0), (3, 0.5)] * 4)]
+    out = _run(logits, rows)
+    np.testing.assert_array_equal(out.token, logits.argmax(-1))
+
+
+def test_seeded_row_is_independent_of_its_neighbours():
+    logits = _logits(1)
+    row = RowParams(temperature=0.9, top_k=20, top_p=0.9, seed=1234, num_logprobs=3, processed_logprobs=True)
+    neighbours = [
+        RowParams(temperature=0.0, num_logprobs=MAX_TOP_LOGPROBS),
+        RowParams(temperature=1.5, seed=7, frequency_penalty=1.0, output_tokens=[1, 2, 2]),
+        RowParams(temperature=0.5, min_p=0.3, repetition_penalty=1.3, prompt_tokens=[5, 6], seed=99),
+        RowParams(temperature=1.0, banned_ids=list(range(0, 2 * NBAN, 2)), logit_bias={3: 5.0}),
+    ]
+    alone, crowded = [], []
+    for step in range(24):
+        r = dataclasses.replace(row, step=step)
+        alone.append(_run(logits[3:4], [r]))
+        crowded.append(_run(logits, [*neighbours[:3], r, *neighbours[3:]]))
+    alone_tokens = [o.token[0] for o in alone]
+    assert [o.token[3] for o in crowded] == alone_tokens
+    assert len(set(alone_tokens)) > 1, "the draw should vary with the step"
+    for a, c in zip(alone, crowded):
+        np.testing.assert_allclose(c.logprob[3], a.logprob[0], rtol=1e-6)
+        np.testing.assert_array_equal(c.top_ids[3], a.top_ids[0])
+
+
+def test_seed_and_step_change_the_draw_and_replay_is_identical():
+    uniform = np.zeros((1, V), np.float32)
+
+    def tokens(seed: int) -> list[int]:
+        return [int(_run(uniform, [RowParams(seed=seed, step=s)]).token[0]) for s in range(16)]
+
+    first = tokens(5)
+    assert len(set(first)) > 8  # 16 uniform draws out of 64 are rarely this repetitive
+    assert tokens(5) == first  # a recomputed (preempted) request resamples identically
+    assert tokens(6) != first
+    assert tokens(5 + 2**32) == first  # seeds are reduced to 32 bits on the host
+
+
+# ----------------------------------------------------------------------------------- distributions
+
+
+def test_temperature_scales_the_distribution():
+    logits = _logits(2, rows=1)[0]
+    for t in (0.5, 2.0):
+        tokens = _draw(logits, RowParams(temperature=t, seed=11))
+        _assert_distribution(tokens, _softmax(logits / t))
+
+
+def test_top_k_samples_the_renormalised_top_k():
+    logits = _logits(3, rows=1, scale=0.5)[0]
+    tokens = _draw(logits, RowParams(temperature=1.0, top_k=7, seed=21))
+    probs = _keep_top_k(_softmax(logits), 7)
+    assert np.count_nonzero(probs) == 7
+    _assert_distribution(tokens, probs)
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p():
+    logits = _logits(4, rows=1)[0]
+    tokens = _draw(logits, RowParams(temperature=1.0, top_p=0.6, seed=31))
+    probs = _keep_top_p(_softmax(logits), 0.6)
+    kept = np.count_nonzero(probs)
+    mass = np.sort(_softmax(logits))[::-1].cumsum()
+    assert mass[kept - 1] >= 0.6 > mass[kept - 2]  # the nucleus is the smallest one reaching p
+    _assert_distribution(tokens, probs)
+
+
+@pytest.mark.parametrize("cut", [dict(top_p=0.55), dict(top_k=2)])
+def test_ties_at_the_boundary_are_kept_together(cut):
+    # Probabilities 0.4, then four tied at 0.1, then 0.2 spread thinly. top_p=0.55 needs the first
+    # tied token and top_k=2 ends inside the tie; thresholds are values, so all four tied tokens
+    # stay (nucleus mass 0.8, five tokens) whatever order a sort would have put them in.
+    probs = np.full(V, 0.2 / (V - 5))
+    probs[10] = 0.4
+    probs[[3, 20, 40, 63]] = 0.1
+    tokens = _draw(np.log(probs).astype(np.float32), RowParams(temperature=1.0, seed=41, **cut))
+    expected = np.zeros(V)
+    expected[[10, 3, 20, 40, 63]] = [0.4, 0.1, 0.1, 0.1, 0.1]
+    _assert_distribution(tokens, expected)
+
+
+def test_filter_thresholds_equal_the_sort_based_definition():
+    # The bisection against the textbook definition on rows full of ties, signed zeros and -inf.
+    rng = np.random.default_rng(16)
+    x = np.round(rng.standard_normal((32, V)) * 2, 1).astype(np.float32)
+    x[:, :4] = [0.0, -0.0, -np.inf, -np.inf]
+    top_k = rng.integers(1, V + 1, 32)
+    # Row 0: the k-th value is a zero of either sign. Row 1: the top two are one ulp apart.
+    x[:2, 4:] = np.minimum(x[:2, 4:], -0.5)
+    x[0, 4], top_k[0] = 2.0, 2
+    x[1, 4:6], top_k[1] = [4.0, np.nextafter(np.float32(4.0), np.float32(0))], 1
+    kept_k = np.stack([row >= np.sort(row)[::-1][k - 1] for row, k in zip(x, top_k)])
+    got_k = np.asarray(jax.jit(_apply_top_k)(x, jnp.asarray(top_k, jnp.int32))) > -np.inf
+    np.testing.assert_array_equal(got_k, kept_k & (x > -np.inf))
+
+    top_p = np.empty(32, np.float32)
+    kept_p = np.empty_like(kept_k)
+    for i, row in enumerate(x):
+        probs = _softmax(row)
+        ranked = np.sort(probs)[::-1]
+        before = np.cumsum(ranked) - ranked
+        j = rng.integers(1, 20)
+        top_p[i] = (before[j] + before[j + 1]) / 2  # far from any boundary: float order can't matter
+        kept_p[i] = probs >= ranked[before < top_p[i]][-1]
+    got_p = jax.jit(_apply_top_p)(x, jnp.asarray(top_p), jnp.ones(32, bool))
+    np.testing.assert_array_equal(np.asarray(got_p) > -np.inf, kept_p)
+
+
+def test_top_p_applies_to_the_renormalised_top_k():
+    logits = _logits(5, rows=1, scale=0.7)[0]
+    tokens = _draw(logits, RowParams(temperature=0.8, top_k=12, top_p=0.7, seed=51))
+    probs = _keep_top_p(_keep_top_k(_softmax(logits / 0.8), 12), 0.7)
+    assert 1 < np.count_nonzero(probs) < 12
+    _assert_distribution(tokens, probs)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_max():
+    logits = _logits(6, rows=1)[0]
+    tokens = _draw(logits, RowParams(temperature=1.0, min_p=0.1, seed=61))
+    full = _softmax(logits)
+    probs = np.where(full >= 0.1 * full.max(), full, 0.0)
+    assert 1 < np.count_nonzero(probs) < V
+    _assert_distribution(tokens, probs)
+
+
+# ------------------------------------------------------------------------ bias, bans and penalties
+
+
+def _penalty_rows(logits: np.ndarray) -> list[RowParams]:
+    # Histories drawn from each row's top tokens, so the penalised logits show up in the top-20.
+    rng = np.random.default_rng(7)
+    rows = []
+    kinds = [
+        dict(frequency_penalty=0.7),
+        dict(presence_penalty=1.1),
+        dict(frequency_penalty=-0.5, presence_penalty=0.4),
+        dict(repetition_penalty=1.4),
+        dict(repetition_penalty=0.8),
+        dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, temperature=0.7),
+        dict(logit_bias={0: 3.0, 5: -2.5, 63: 100.0}),
+        dict(logit_bias={1: -100.0}, banned_ids=[2, 2, 9], repetition_penalty=1.5, temperature=1.3),
+    ]
+    for i, kind in enumerate(kinds):
+        top = np.argsort(-logits[i])[:12]
+        output = rng.choice(top, size=10).tolist()  # repeats => counts > 1
+        prompt = rng.choice(top, size=6).tolist()
+        params = dict(temperature=0.0, num_logprobs=MAX_TOP_LOGPROBS, processed_logprobs=True, seed=i)
+        params.update(kind)
+        rows.append(RowParams(**params, output_tokens=output, prompt_tokens=prompt))
+    return rows
+
+
+def test_bias_bans_and_penalties_match_numpy_exactly():
+    logits = _logits(8)
+    rows = _penalty_rows(logits)
+    out = _run(logits, rows)
+    for i, row in enumerate(rows):
+        expected = _log_softmax(_np_processed(logits[i], row))
+        top = np.argsort(-expected, kind="stable")[:MAX_TOP_LOGPROBS]
+        np.testing.assert_array_equal(out.top_ids[i], top, err_msg=f"row {i}: {row}")
+        np.testing.assert_allclose(out.top_logprobs[i], expected[top], rtol=1e-5, atol=1e-5, err_msg=f"row {i}")
+        if row.temperature == 0:
+            assert out.token[i] == expected.argmax()
+        np.testing.assert_allclose(out.logprob[i], expected[out.token[i]], rtol=1e-5, atol=1e-5)
+
+
+def test_banned_ids_are_never_sampled():
+    banned = [0, 7, 8, 9, 30, 63] + list(range(40, 42))
+    logits = np.zeros(V, np.float32)
+    logits[banned] = 5.0  # the banned tokens would otherwise dominate
+    tokens = _draw(logits, RowParams(temperature=1.0, banned_ids=banned, seed=71), n=NUM_DRAWS)
+    probs = np.where(np.isin(np.arange(V), banned), 0.0, 1.0)
+    _assert_distribution(tokens, probs)
+    greedy = _run(logits[None], [RowParams(temperature=0.0, banned_ids=banned, logit_bias={3: 1.0})])
+    assert greedy.token[0] == 3
+
+
+def test_a_row_with_everything_banned_ignores_the_ban_and_stays_finite():
+    # Only eight tokens are finite (say the model masks the rest) and the host bans all eight:
+    # nothing is left, so the ban is lifted for that row instead of producing NaN.
+    logits = np.full((B, V), -np.inf, np.float32)
+    finite = [2, 5, 11, 17, 23, 31, 47, 60]
+    logits[:, finite] = _logits(10)[:, :8]
+    rows = [
+        RowParams(temperature=0.0, banned_ids=finite, num_logprobs=3, processed_logprobs=True),
+        RowParams(temperature=1.0, banned_ids=finite, num_logprobs=3, seed=3),
+        RowParams(temperature=0.0, banned_ids=finite[:7]),  # one token left: the ban holds
+    ]
+    out = _run(logits, rows)
+    assert out.token[0] == logits[0].argmax()
+    assert out.token[1] in finite
+    assert out.token[2] == finite[7]
+    assert np.isfinite(out.logprob[:2]).all() and np.isfinite(out.top_logprobs[:2, :3]).all()
+    np.testing.assert_allclose(out.logprob[0], _log_softmax(logits[0])[out.token[0]], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_raw_processed_and_top_n():
+    logits = _logits(11)
+    row = RowParams(temperature=0.6, logit_bias={4: 2.0}, frequency_penalty=0.5, output_tokens=[4, 4, 9], seed=5)
+    rows = [
+        dataclasses.replace(row, num_logprobs=5, processed_logprobs=False),
+        dataclasses.replace(row, num_logprobs=5, processed_logprobs=True),
+        dataclasses.replace(row, num_logprobs=0),
+        dataclasses.replace(row, num_logprobs=-1),
+        dataclasses.replace(row, num_logprobs=MAX_TOP_LOGPROBS, temperature=0.0, processed_logprobs=True),
+    ]
+    out = _run(logits, rows)
+    for i, r in enumerate(rows):
+        source = _np_processed(logits[i], r) if r.processed_logprobs else logits[i]
+        expected = _log_softmax(source)
+        np.testing.assert_allclose(out.logprob[i], expected[out.token[i]], rtol=1e-5, atol=1e-6)
+        n = max(r.num_logprobs, 0)
+        top = np.argsort(-expected)[:n]
+        np.testing.assert_array_equal(out.top_ids[i, :n], top)
+        np.testing.assert_allclose(out.top_logprobs[i, :n], expected[top], rtol=1e-5, atol=1e-6)
+        assert np.all(np.diff(out.top_logprobs[i, :n]) <= 0)
+        assert (out.top_ids[i, n:] == -1).all() and np.isneginf(out.top_logprobs[i, n:]).all()
+
+
+def test_no_row_asks_for_top_n():
+    out = _run(_logits(12), [RowParams(num_logprobs=0, seed=s) for s in range(B)])
+    assert (out.top_ids == -1).all() and np.isneginf(out.top_logprobs).all()
+    assert np.isfinite(out.logprob).all()
+
+
+# ------------------------------------------------------------------------------ padding, compiling
+
+
+def test_padding_rows_are_harmless_even_with_nan_logits():
+    logits = _logits(13)
+    rows = [
+        RowParams(temperature=1.0, top_p=0.8, seed=1, num_logprobs=4),
+        RowParams(temperature=0.0, repetition_penalty=1.3, output_tokens=[3], prompt_tokens=[1]),
+        RowParams(temperature=0.7, top_k=5, seed=2, num_logprobs=2, processed_logprobs=True),
+    ]
+    clean = _run(logits, rows)
+    dirty_logits = logits.copy()
+    dirty_logits[len(rows):] = np.nan  # whatever the model produced for padding rows
+    dirty = _run(dirty_logits, rows)
+    for field in ("token", "logprob", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(dirty, field)[: len(rows)], getattr(clean, field)[: len(rows)])
+    np.testing.assert_array_equal(clean.token[len(rows):], logits[len(rows):].argmax(-1))  # greedy
+    assert (clean.top_ids[len(rows):] == -1).all()
+
+
+def test_builder_pads_and_validates():
+    batch = make_sampling_batch(
+        [RowParams(seed=-1, logit_bias={3: 1.5}, banned_ids=[4], output_tokens=[1, 2], frequency_penalty=0.1)],
+        vocab_size=V, batch_size=4, lo=4, lp=2, num_bias=NB, num_banned=NBAN,
+    )
+    assert isinstance(batch, SamplingBatch)
+    assert batch.seed[0] == 2**32 - 1 and batch.seed.dtype == np.uint32
+    np.testing.assert_array_equal(batch.output_tokens[0], [1, 2, -1, -1])
+    assert (batch.prompt_tokens == -1).all()  # no repetition penalty: prompt not needed
+    np.testing.assert_array_equal(batch.bias_ids[0, :2], [3, -1])
+    assert (batch.temperature[1:] == 0).all() and (batch.num_logprobs[1:] == -1).all()
+
+    # Histories are only copied when a penalty needs them, so lo = lp = 0 accepts plain rows.
+    make_sampling_batch([RowParams(output_tokens=list(range(50)))], V, 1, 0, 0)
+    bad = [
+        ([RowParams()] * 3, dict(batch_size=2)),
+        ([RowParams(num_logprobs=MAX_TOP_LOGPROBS + 1)], {}),
+        ([RowParams(logit_bias={i: 1.0 for i in range(NB + 1)})], {}),
+        ([RowParams(banned_ids=[V])], {}),
+        ([RowParams(presence_penalty=0.5, output_tokens=list(range(LO + 1)))], {}),
+        ([RowParams(repetition_penalty=1.1, prompt_tokens=[-3])], {}),
+    ]
+    for rows, override in bad:
+        kwargs = dict(vocab_size=V, batch_size=B, lo=LO, lp=LP, num_bias=NB, num_banned=NBAN) | override
+        with pytest.raises(ValueError):
+            make_sampling_batch(rows, **kwargs)
+
+
+def test_parameter_values_do_not_recompile():
+    logits = jnp.asarray(_logits(14))
+    variants = [
+        [RowParams()] * B,
+        [RowParams(temperature=0.0, num_logprobs=5)] * B,
+        _penalty_rows(_logits(14)),
+        [RowParams(top_k=3, top_p=0.5, min_p=0.2, seed=s, step=s) for s in range(B)],
+        [RowParams(temperature=0.3, logit_bias={1: 2.0}, banned_ids=[4], seed=2**32 - 1)] * 3,
+    ]
+    compiled = None
+    for rows in variants:
+        batch = make_sampling_batch(rows, V, B, LO, LP, num_bias=NB, num_banned=NBAN)
+        SAMPLE(logits, batch).token.block_until_ready()
+        # The jit cache also holds the other tests' shapes: count from after the first call.
+        compiled = compiled or SAMPLE._cache_size()
+        assert SAMPLE._cache_size() == compiled
+
+
+def test_full_size_vocab_in_bfloat16():
+    vocab = 49152
+    logits = np.asarray(jnp.asarray(_logits(15, rows=2, vocab=vocab, scale=3.0), jnp.bfloat16).astype(jnp.float32))
+    best = int(logits[0].argmax())
+    rows = [
+        RowParams(temperature=0.0, banned_ids=[best], num_logprobs=MAX_TOP_LOGPROBS),
+        RowParams(temperature=0.8, top_p=0.9, top_k=50, seed=9, num_logprobs=2, processed_logprobs=True),
+    ]
+    batch = make_sampling_batch(rows, vocab, 2, 0, 0)  # the production bias / ban widths
+    out = jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits, jnp.bfloat16), batch))
+    unbanned = logits[0].copy()
+    unbanned[best] = -np.inf
+    assert out.token[0] == unbanned.argmax()  # bfloat16 ties: the first of the tied maxima
+    assert logits[1, out.token[1]] >= np.sort(logits[1])[::-1][49]  # within the top 50 (ties included)
+    raw = np.sort(_log_softmax(logits[0]))[::-1][:MAX_TOP_LOGPROBS]  # raw logprobs ignore the ban
+    np.testing.assert_allclose(out.top_logprobs[0], raw, rtol=1e-5, atol=1e-5)
