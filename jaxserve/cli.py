@@ -15,7 +15,15 @@ from typing import Any, Sequence
 import yaml
 
 from jaxserve import __version__
-from jaxserve.config import Config, ModelConfig, ParallelConfig, ServerConfig, default_cache_dir
+from jaxserve.config import (
+    CacheConfig,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    default_cache_dir,
+)
 
 log = logging.getLogger("jaxserve")
 
@@ -64,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
                    f"tokenizers and compiled programs are cached (default: $JAXSERVE_CACHE_DIR or {default_cache_dir()})")
     m.add_argument("--no-weight-cache", action="store_true", help="do not write or read the orbax checkpoint "
                    "of converted weights (every start converts from the source files)")
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (default: from "
+                   "--kv-cache-memory-fraction on GPU/TPU, --cpu-kv-cache-gib on the CPU); start-up prints "
+                   "'N pages = M tokens'")
+    e.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, help="fraction of the device memory "
+                   "left after loading the weights that the KV cache takes (GPU/TPU)")
+    e.add_argument("--cpu-kv-cache-gib", type=float, default=2.0, help="KV-cache size on the CPU, in GiB")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV pages of shared "
+                   "prompt prefixes across requests")
+    e.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (the largest "
+                   "decode batch bucket)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=256, help="most prompt tokens prefilled in one "
+                   "step; longer prompts are prefilled in chunks so running decodes keep making progress")
+    e.add_argument("--max-prefill-seqs", type=int, default=4, help="most sequences sharing one prefill step")
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
+                   help="paged attention implementation: the pure-jnp reference, or the Pallas kernels "
+                   "(GPU/TPU; not wired into the engine yet); auto = reference")
+    e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
+                   "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="number of local devices to "
@@ -131,6 +160,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     name = args.served_model_name or _name_of(model)
+    if args.attention_backend == "pallas":
+        raise ConfigError("--attention-backend pallas: the Pallas kernels are not wired into the engine yet; "
+                          "use auto or reference")
+    for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_pages is not None and args.num_pages < 2:
+        raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
+    if not 0 < args.kv_cache_memory_fraction <= 1:
+        raise ConfigError(f"--kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
+    cache_dir = args.cache_dir or default_cache_dir()
     return Config(
         model=ModelConfig(
             model=model,
@@ -139,8 +179,22 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_model_len=args.max_model_len,
             chat_template=args.chat_template,
             weight_cache=not args.no_weight_cache,
-            cache_dir=args.cache_dir or default_cache_dir(),
+            cache_dir=cache_dir,
         ),
+        cache=CacheConfig(
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            cpu_kv_cache_bytes=int(args.cpu_kv_cache_gib * 2**30),
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_seqs=args.max_prefill_seqs,
+            max_model_len=0,  # filled in once the model's own limit is known (startup)
+        ),
+        compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         server=ServerConfig(host=args.host, port=args.port, api_keys=tuple(args.api_key or ())),
     )
@@ -161,18 +215,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
-    from jaxserve.startup import load
+    from jaxserve.startup import start_engine
 
     try:
-        ready = load(config.model)
+        engine, timings = start_engine(config)
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 1
-    log.info("model %r ready: %s", config.model.served_model_name, ready.summary())
+    log.info("ready in %.1fs (load %.1fs, compile %.1fs for %d step shapes)", timings["total"], timings["load"],
+             timings["compile"], len(engine.compile_seconds))
     print(
         f"jaxserve: the HTTP server is not built yet, so nothing listens on "
-        f"{config.server.host}:{config.server.port}. The model and tokenizer loaded and checked out; "
-        "serving arrives with the engine and server work.",
+        f"{config.server.host}:{config.server.port}. The model loaded and every step compiled; "
+        "serving arrives with the server work.",
         file=sys.stderr,
     )
     return 3

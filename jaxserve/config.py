@@ -63,3 +63,6 @@ class Config:
     model: ModelConfig
     parallel: ParallelConfig
     server: ServerConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    compilation_cache_dir: Path | None = None

@@ -8,12 +8,17 @@ import time
 
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from typing import TYPE_CHECKING
+
+from jaxserve.config import Config, ModelConfig
 from jaxserve.models.config import DecoderConfig
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from jaxserve.weights import LoadedModel, load_model
 
 log = logging.getLogger("jaxserve")
+
+if TYPE_CHECKING:
+    from jaxserve.engine.engine import Engine
 
 
 @dataclasses.dataclass
@@ -58,3 +63,23 @@ def load(cfg: ModelConfig) -> LoadedServing:
         )
     max_len = resolve_max_model_len(cfg.max_model_len, loaded.config)
     return LoadedServing(loaded, tokenizer, max_len, time.perf_counter() - start)
+
+
+def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
+    """Load the model, size the KV cache, and compile every step shape: everything before the
+    first request. Returns the engine and the seconds each phase took."""
+    from jaxserve.engine.engine import Engine, EngineConfig
+
+    start = time.perf_counter()
+    ready = load(config.model)
+    log.info("model: %s", ready.summary())
+    scheduler = dataclasses.replace(config.scheduler, max_model_len=ready.max_model_len)
+    engine = Engine(
+        ready.loaded.model,
+        ready.tokenizer,
+        EngineConfig(cache=config.cache, scheduler=scheduler, compilation_cache_dir=config.compilation_cache_dir),
+    )
+    loaded = time.perf_counter()
+    engine.compile()
+    done = time.perf_counter()
+    return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}

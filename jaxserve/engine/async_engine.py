@@ -127,9 +127,16 @@ class AsyncEngine:
 
     def _post(self, request_id: str, item: object, last: bool) -> None:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if stream is not None:
-            loop, deltas = stream
+        if stream is None:
+            return
+        loop, deltas = stream
+        try:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
+        except RuntimeError:
+            # The consumer's event loop is closed: nobody will read this stream again. Drop it and
+            # free the request's pages; a dead client must never stop the engine.
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
