@@ -52,6 +52,10 @@ class _Request:
     seqs: list[Sequence]
     texts: list[SequenceText]
     arrival: float
+    # prompt_logprobs[i]: logprob of prompt token i given the tokens before it (None before the
+    # requested start and for token 0); filled by sample 0's prefill, sent once with its first token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -128,7 +132,10 @@ class Engine:
                            seed=(base_seed + i) % 2**32)
             seqs.append(seq)
             texts.append(SequenceText(seq, self.tokenizer))
-        self.requests[request_id] = _Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
+        req = _Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_ids)
+        self.requests[request_id] = req
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -156,12 +163,15 @@ class Engine:
         if plan.prefills:
             bucket = self._prefill_bucket(plan.num_prefill_tokens)
             rows = [(c.seq.token_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills]
-            out = self._run(bucket, rows, [c.seq for c in plan.prefills])
+            targets = [self._prompt_targets(c.seq, c.start, c.end) for c in plan.prefills]
+            out, prompt = self._run(bucket, rows, [c.seq for c in plan.prefills], targets)
             sampled += [(c.seq, out, i) for i, c in enumerate(plan.prefills) if c.samples]
+            if any(t is not None for t in targets):
+                self._store_prompt_logprobs(plan.prefills, targets, prompt)
         if plan.decodes:
             bucket = self._decode_bucket(len(plan.decodes))
             rows = [([s.token_ids[-1]], s.num_tokens - 1, s.pages) for s in plan.decodes]
-            out = self._run(bucket, rows, plan.decodes)
+            out, _ = self._run(bucket, rows, plan.decodes)
             sampled += [(s, out, i) for i, s in enumerate(plan.decodes)]
         self.scheduler.advance(plan)
         fetched: dict[int, Any] = {}
@@ -184,10 +194,37 @@ class Engine:
         size = self.buckets.decode_bucket(seqs)
         return Bucket("decode", size, size)
 
-    def _run(self, bucket: Bucket, rows: list, seqs: list[Sequence]) -> Any:
+    def _run(self, bucket: Bucket, rows: list, seqs: list[Sequence], targets: list | None = None) -> Any:
         inputs = build_inputs(bucket, rows, self.allocator.page_size, self.max_pages_per_seq,
-                              self._sampling(seqs, bucket.seqs))
+                              self._sampling(seqs, bucket.seqs), targets)
         return self.runner.run(bucket, inputs)
+
+    # ---- prompt logprobs ---------------------------------------------------------------------
+    def _prompt_targets(self, seq: Sequence, start: int, end: int) -> tuple[list[int], int] | None:
+        """For each computed position p, the prompt token p+1 whose logprob it yields (or -1)."""
+        req = self.requests.get(seq.request_id)
+        if req is None or req.prompt_logprobs is None or seq.sample_index != 0 or req.prompt_logprobs_sent:
+            return None
+        first = max(seq.params.prompt_logprobs_start, 1)
+        n = seq.num_prompt_tokens
+        targets = [seq.token_ids[p + 1] if first <= p + 1 < n else -1 for p in range(start, end)]
+        if all(t < 0 for t in targets):
+            return None
+        return targets, seq.params.prompt_logprobs or 0
+
+    def _store_prompt_logprobs(self, chunks: list, targets: list, prompt: Any) -> None:
+        host = jax.tree_util.tree_map(np.asarray, prompt)
+        row = 0
+        for chunk, target in zip(chunks, targets):
+            if target is not None:
+                req = self.requests[chunk.seq.request_id]
+                ids, n_top = target
+                for i, tid in enumerate(ids):
+                    if tid >= 0:
+                        r = row + i
+                        top = [(int(a), float(b)) for a, b in zip(host.top_ids[r][:n_top], host.top_logprobs[r][:n_top])]
+                        req.prompt_logprobs[chunk.start + i + 1] = TokenLogprob(tid, float(host.logprob[r]), top)
+            row += chunk.num_tokens
 
     # ---- sampling inputs -----------------------------------------------------------------------
     def _sampling(self, seqs: list[Sequence], size: int) -> Any:
@@ -272,7 +309,11 @@ class Engine:
             self.requests.pop(req.request_id, None)
         if not outputs and not finished:
             return None
-        return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens,
+                             prompt_logprobs)
 
     def _final_delta(self, req: _Request, i: int, force: bool) -> CompletionOutput | None:
         seq = req.seqs[i]

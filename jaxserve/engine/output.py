@@ -39,6 +39,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Per prompt token (None where not requested); set on the first delta only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, delta: "RequestOutput") -> None:
         """Fold a later delta into this accumulated output (used by the offline API)."""
@@ -58,6 +60,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda o: o.index)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class SequenceText:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from jaxserve.engine import attention
 from jaxserve.engine.kv_cache import KVCache
-from jaxserve.engine.sampler import SampleOutput, SamplingBatch, sample
+from jaxserve.engine.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
 from jaxserve.models.decoder import Decoder
 
 log = logging.getLogger("jaxserve.engine")
@@ -44,6 +44,18 @@ class StepInputs:
     num_seqs: jax.Array  # [] int32
     sample_rows: jax.Array  # [S] int32: the token whose logits sample each sequence's next token
     sampling: SamplingBatch  # [S] rows
+    prompt_targets: jax.Array  # [T] int32: the next prompt token, whose logprob this row reports (-1: none)
+    prompt_top_n: jax.Array  # [T] int32: top-N prompt logprobs wanted at this row (0: only the target)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptLogprobs:
+    """Per scheduled token: logprob of the following prompt token and the top-N alternatives."""
+
+    logprob: jax.Array  # [T] float32
+    top_ids: jax.Array  # [T, MAX_TOP_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +90,7 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
 
     # ---- the jitted step ----------------------------------------------------------------------
-    def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput]:
+    def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
         model: Decoder = nnx.merge(self.graphdef, params)
         attend = attention.paged_attend(
             inp.slots, inp.page_tables, inp.cu_q_lens, inp.kv_lens, inp.num_seqs,
@@ -93,7 +105,26 @@ class ModelRunner:
             # 11 ms for SmolLM2's 49k x 576 head on 2 cores), so small buckets pad the head's rows.
             rows = jnp.pad(rows, ((0, self.min_head_rows - s), (0, 0)))
         logits = model.logits(rows)[:s]  # [S, vocab] float32
-        return kv, sample(logits, inp.sampling)
+        return kv, sample(logits, inp.sampling), self._prompt_logprobs(model, hidden[0], inp)
+
+    @staticmethod
+    def _prompt_logprobs(model: Decoder, hidden: jax.Array, inp: StepInputs) -> PromptLogprobs:
+        """Logits for every scheduled token cost [tokens x vocab]; the cond computes them only in
+        steps where some prompt asked for logprobs (echo, logprob_start_len), so other steps pay
+        nothing and no separate program has to be compiled."""
+        wanted = inp.prompt_targets >= 0
+
+        def compute() -> PromptLogprobs:
+            lp, ids, top = token_logprobs(model.logits(hidden), jnp.maximum(inp.prompt_targets, 0),
+                                          jnp.where(wanted, inp.prompt_top_n, -1))
+            return PromptLogprobs(lp, ids, top)
+
+        def skip() -> PromptLogprobs:
+            t = inp.prompt_targets.shape[0]
+            return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.full((t, MAX_TOP_LOGPROBS), -1, jnp.int32),
+                                  jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
+
+        return jax.lax.cond(jnp.any(wanted), compute, skip)
 
     # ---- ahead-of-time compilation --------------------------------------------------------------
     def abstract_inputs(self, bucket: Bucket, sampling: SamplingBatch) -> StepInputs:
@@ -103,6 +134,7 @@ class ModelRunner:
             tokens=i32(t), positions=i32(t), slots=i32(t), page_tables=i32(s, self.max_pages_per_seq),
             cu_q_lens=i32(s + 1), kv_lens=i32(s), num_seqs=i32(), sample_rows=i32(s),
             sampling=jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling),
+            prompt_targets=i32(t), prompt_top_n=i32(t),
         )
 
     def compile(self, buckets: list[Bucket], sampling_for: Callable[[int], SamplingBatch]) -> dict[Bucket, float]:
@@ -120,13 +152,13 @@ class ModelRunner:
                          seconds[bucket])
         return seconds
 
-    def run(self, bucket: Bucket, inputs: StepInputs) -> SampleOutput:
-        """Dispatch one step (asynchronously: the result is a future until read)."""
+    def run(self, bucket: Bucket, inputs: StepInputs) -> tuple[SampleOutput, PromptLogprobs]:
+        """Dispatch one step (asynchronously: the results are futures until read)."""
         compiled = self._compiled.get(bucket)
         if compiled is None:
             raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
-        self.kv, out = compiled(self.params, self.kv, inputs)
-        return out
+        self.kv, out, prompt = compiled(self.params, self.kv, inputs)
+        return out, prompt
 
 
 def build_inputs(
@@ -135,8 +167,10 @@ def build_inputs(
     page_size: int,
     max_pages_per_seq: int,
     sampling: SamplingBatch,
+    prompt_targets: list[tuple[list[int], int] | None] | None = None,
 ) -> StepInputs:
-    """Pack (new token ids, first position, page table) per sequence into padded step arrays."""
+    """Pack (new token ids, first position, page table) per sequence into padded step arrays.
+    prompt_targets, per chunk: (the next prompt token for each of its rows or -1, top-N) or None."""
     t, s = bucket.tokens, bucket.seqs
     tokens = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
@@ -145,8 +179,14 @@ def build_inputs(
     cu = np.zeros(s + 1, np.int32)
     kv_lens = np.zeros(s, np.int32)
     sample_rows = np.zeros(s, np.int32)
+    targets = np.full(t, -1, np.int32)
+    top_n = np.zeros(t, np.int32)
     offset = 0
     for i, (ids, start, pages) in enumerate(chunks):
+        if prompt_targets and prompt_targets[i] is not None:
+            row_targets, n_top = prompt_targets[i]
+            targets[offset : offset + len(ids)] = row_targets
+            top_n[offset : offset + len(ids)] = n_top
         n = len(ids)
         pos = np.arange(start, start + n, dtype=np.int32)
         table = np.asarray(pages, np.int32)
@@ -161,5 +201,6 @@ def build_inputs(
     cu[len(chunks) + 1 :] = offset
     return StepInputs(
         tokens=tokens, positions=positions, slots=slots, page_tables=page_tables, cu_q_lens=cu, kv_lens=kv_lens,
-        num_seqs=np.int32(len(chunks)), sample_rows=sample_rows, sampling=sampling,
+        num_seqs=np.int32(len(chunks)), sample_rows=sample_rows, sampling=sampling, prompt_targets=targets,
+        prompt_top_n=top_n,
     )

@@ -123,7 +123,7 @@ def sample(logits: Array, batch: SamplingBatch) -> SampleOutput:
     )
 
     lp_logits = jnp.where(batch.processed_logprobs[:, None], scaled, raw)
-    logprob, top_ids, top_logprobs = _logprobs(lp_logits, token, batch.num_logprobs)
+    logprob, top_ids, top_logprobs = token_logprobs(lp_logits, token, batch.num_logprobs)
     return SampleOutput(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
@@ -287,7 +287,7 @@ def _argmax(x: Array) -> Array:
     return jnp.minimum(first, x.shape[-1] - 1)
 
 
-def _logprobs(lp_logits: Array, token: Array, num_logprobs: Array) -> tuple[Array, Array, Array]:
+def token_logprobs(lp_logits: Array, token: Array, num_logprobs: Array) -> tuple[Array, Array, Array]:
     """Chosen-token logprob and top-N of log_softmax(lp_logits), without materialising it."""
     batch_size, vocab_size = lp_logits.shape
     lse = jax.nn.logsumexp(lp_logits, axis=-1)  # [B]

@@ -166,3 +166,23 @@ def test_no_compilation_after_warm_up(engine, smollm2_tokenizer):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert served == []
     assert compiles, "the compile listener saw nothing, so it proves nothing"
+
+
+def test_prompt_logprobs_match_the_full_forward(engine, model, smollm2_tokenizer):
+    import jax
+    import jax.numpy as jnp
+
+    prompt = smollm2_tokenizer.encode(LONG)  # longer than one prefill chunk
+    logits = np.asarray(model(jnp.asarray([prompt]), jnp.arange(len(prompt))[None], jnp.asarray([len(prompt)])))[0]
+    expected = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for start, name in ((0, "plp"), (10, "plp-cached")):  # the second run would otherwise hit the cache
+        res = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2,
+                                                    prompt_logprobs_start=start), name)[0]
+        lps = res.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        assert all(lp is None for lp in lps[1:start])
+        for i in range(max(start, 1), len(prompt)):
+            assert lps[i].token_id == prompt[i]
+            np.testing.assert_allclose(lps[i].logprob, expected[i - 1, prompt[i]], atol=2e-4)
+            top_ids = [t for t, _ in lps[i].top]
+            assert top_ids == list(np.argsort(-expected[i - 1])[:2])
