@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pallas_kernels._common import select_kernel
 from pallas_kernels.kv_write import validate_write_inputs, write_kv
+from pallas_kernels.paged_attention import PALLAS_KERNELS as _DECODE_KERNELS
 from pallas_kernels.paged_attention import paged_decode_attention_reference, validate_decode_inputs
+from pallas_kernels.ragged_paged_attention import PALLAS_KERNELS as _RAGGED_KERNELS
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference, validate_ragged_inputs
 
 BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
@@ -30,30 +33,14 @@ def get_decode_attention(backend: str) -> Callable[..., object]:
     """Decode attention for `backend`, called as `f(q, k_pages, v_pages, page_tables, lengths, *, scale,
     softcap=None, window=0)`."""
     _check_backend(backend)
-    if backend == "pallas_gpu":
-        from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu
-
-        return paged_decode_attention_gpu
-    if backend == "pallas_tpu":
-        from pallas_kernels.tpu_paged_attention import paged_decode_attention_tpu
-
-        return paged_decode_attention_tpu
-    return paged_decode_attention_reference
+    return select_kernel(backend, paged_decode_attention_reference, _DECODE_KERNELS)
 
 
 def get_ragged_attention(backend: str) -> Callable[..., object]:
     """Ragged (prefill/decode) attention for `backend`, called as `f(q, k_pages, v_pages, page_tables,
     cu_q_lens, kv_lens, num_seqs, *, scale, softcap=None, window=0)`."""
     _check_backend(backend)
-    if backend == "pallas_gpu":
-        from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
-
-        return ragged_paged_attention_gpu
-    if backend == "pallas_tpu":
-        from pallas_kernels.tpu_ragged_attention import ragged_paged_attention_tpu
-
-        return ragged_paged_attention_tpu
-    return ragged_paged_attention_reference
+    return select_kernel(backend, ragged_paged_attention_reference, _RAGGED_KERNELS)
 
 
 __all__ = [

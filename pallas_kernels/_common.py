@@ -7,6 +7,8 @@ The KV cache layout (fixed; the engine follows it): per layer, separate K and V 
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,6 +48,63 @@ def apply_softcap(s: jax.Array, softcap: float | None) -> jax.Array:
     if softcap is None:
         return s
     return jnp.tanh(s / softcap) * softcap
+
+
+def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
+    """The kernels' matmul precision for inputs of `dtype`."""
+    # float32 inputs are for exactness (tests, parity runs): no TF32. bf16 uses the tensor cores as is.
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+# The online (flash) softmax of the Pallas kernels, over one block of keys at a time. A carry is
+# (acc [rows, head_dim], m, l) in float32: the unnormalised output, the running max and the running
+# sum of the rows. The GPU (Triton) kernels keep m and l as vectors [rows]; the TPU (Mosaic) kernels
+# pass keepdims=True and keep them as [rows, 1], because Mosaic lays out 2D arrays natively and
+# every broadcast then stays 2D. The running max starts at the finite MASK_VALUE, not -inf, so a row
+# that has seen nothing yet gets alpha = exp(0), never exp(-inf - -inf) = NaN.
+
+
+def online_softmax_init(rows: int, head_dim: int, *, keepdims: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The carry before the first block: nothing seen."""
+    stat = (rows, 1) if keepdims else (rows,)
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full(stat, MASK_VALUE, jnp.float32),
+        jnp.zeros(stat, jnp.float32),
+    )
+
+
+def online_softmax_step(
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    s: jax.Array,  # [rows, block_k] float32 logits (scaled, soft-capped)
+    mask: jax.Array,  # [rows, block_k] bool: which logits are visible
+    v: jax.Array,  # [block_k, head_dim] this block's values
+    v_ok: jax.Array,  # bool, broadcastable to v: which value slots were written
+    *,
+    precision: jax.lax.Precision,
+    keepdims: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Folds one block of keys into the carry (exact: the final result equals a dense softmax).
+
+    Masked logits go through `where`, never a multiply; unwritten value slots (which may hold NaN)
+    are zeroed before the product, because a zero probability times NaN is still NaN.
+    """
+    acc, m, l = carry
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=keepdims))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - (m_new if keepdims else m_new[:, None])), 0.0)
+    v = jnp.where(jnp.broadcast_to(v_ok, v.shape), v, jnp.zeros((), v.dtype))
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    return acc * (alpha if keepdims else alpha[:, None]) + pv, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=keepdims)
+
+
+def online_softmax_result(acc: jax.Array, l: jax.Array, *, keepdims: bool = False) -> jax.Array:
+    """The normalised float32 output of a final carry; a row that saw nothing gives 0."""
+    denom = jnp.where(l == 0.0, 1.0, l)
+    return acc / (denom if keepdims else denom[:, None])
 
 
 def attend_items(
@@ -128,6 +187,20 @@ def gather_pages(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> j
         return jnp.take(pages, idx, axis=1, mode="clip")
     # Advanced indices (layer, idx) around a slice put the index dims first: [items, n, kv_heads, ...].
     return jnp.moveaxis(pages[layer, :, idx], 2, 0)
+
+
+def select_kernel(
+    backend: str, reference: Callable[..., jax.Array], pallas: dict[str, tuple[str, str]]
+) -> Callable[..., jax.Array]:
+    """The attention function of `backend`: `reference` for "reference", else the Pallas kernel that
+    `pallas[backend]` names as (module, function). The module is imported only now, so the CPU
+    serving path never imports Pallas."""
+    if backend == "reference":
+        return reference
+    if backend not in pallas:
+        raise ValueError(f"backend must be 'reference', 'pallas_gpu' or 'pallas_tpu', got {backend!r}")
+    module, name = pallas[backend]
+    return getattr(importlib.import_module(module), name)
 
 
 def chunk_pages_for(items: int, rows: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int) -> int:

@@ -26,7 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import (
+    apply_softcap,
+    dot_precision,
+    online_softmax_init,
+    online_softmax_step,
+)
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
 
@@ -40,9 +45,33 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def dot_precision(dtype: jnp.dtype) -> jax.lax.Precision:
-    # float32 inputs are for exactness (tests, parity runs): no TF32. bf16 uses the tensor cores as is.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+def pages_per_block_for(pages_per_block: int | None, page_size: int, max_pages: int) -> int:
+    """Pages per block of keys: a power of two, by default about 64 keys (a dot needs >= 16)."""
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)
+    return min(_next_pow2(pages_per_block), _next_pow2(max_pages))
+
+
+def block_logits(
+    q: jax.Array,  # [rows, head_dim]
+    page_tables_ref,  # [n] int32: the program's page ids
+    k_pages_ref,  # [num_pages, page_size, head_dim]: one kv head's pages
+    v_pages_ref,
+    i: jax.Array,
+    pages_per_block: int,
+    scale: float,
+    softcap: float | None,
+    precision: jax.lax.Precision,
+) -> tuple[jax.Array, jax.Array]:
+    """Block `i` of a program's pages (one gather of page ids): the logits [rows, block_k], scaled
+    and soft-capped, and the values [block_k, head_dim]."""
+    head_dim = k_pages_ref.shape[2]
+    block_k = pages_per_block * k_pages_ref.shape[1]
+    ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+    k = k_pages_ref[ids].reshape(block_k, head_dim)
+    v = v_pages_ref[ids].reshape(block_k, head_dim)
+    s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
+    return apply_softcap(s, softcap), v
 
 
 def _decode_kernel(
@@ -77,29 +106,13 @@ def _decode_kernel(
     q = q_ref[...]
 
     def body(i, carry):
-        acc, m, l = carry
-        ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_pages_ref[ids].reshape(block_k, head_dim)
-        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        s, v = block_logits(q, page_tables_ref, k_pages_ref, v_pages_ref, i, pages_per_block, scale, softcap, precision)
         key_pos = (split_start + i * pages_per_block) * page_size + jnp.arange(block_k, dtype=jnp.int32)
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            s = jnp.tanh(s / softcap) * softcap
         ok = (key_pos < length) & (key_pos >= first_key)  # key_pos <= q_pos follows from < length
         mask = jnp.broadcast_to(ok[None, :], (rows, block_k))
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        v = jnp.where(jnp.broadcast_to(ok[:, None], (block_k, head_dim)), v, jnp.zeros((), v.dtype))
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+        return online_softmax_step(carry, s, mask, v, ok[:, None], precision=precision)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    init = online_softmax_init(rows, head_dim)
     acc, m, l = jax.lax.fori_loop(first_block, end_block, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -143,9 +156,7 @@ def _decode_triton(
     group = q_heads // kv_heads
     rows = max(MIN_DOT_ROWS, _next_pow2(group))
 
-    if pages_per_block is None:  # about 64 keys per block, at least 16 for the dot
-        pages_per_block = max(1, 64 // page_size)
-    pages_per_block = min(_next_pow2(pages_per_block), _next_pow2(max_pages))
+    pages_per_block = pages_per_block_for(pages_per_block, page_size, max_pages)
     num_blocks = -(-max_pages // pages_per_block)
     splits = num_splits or default_splits(batch, kv_heads, num_blocks)
     splits = max(1, min(splits, num_blocks))

@@ -23,13 +23,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import (
+    dot_precision,
+    online_softmax_init,
+    online_softmax_result,
+    online_softmax_step,
+)
 from pallas_kernels.gpu_paged_attention import (
     MIN_DOT_ROWS,
     _next_pow2,
     _triton_params,
+    block_logits,
     default_interpret,
-    dot_precision,
+    pages_per_block_for,
 )
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
 
@@ -70,32 +76,15 @@ def _ragged_kernel(
     q = q_ref[pl.ds(token, q_block), :, :].reshape(rows, head_dim)
 
     def body(i, carry):
-        acc, m, l = carry
-        ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = k_pages_ref[ids].reshape(block_k, head_dim)
-        v = v_pages_ref[ids].reshape(block_k, head_dim)
+        s, v = block_logits(q, page_tables_ref, k_pages_ref, v_pages_ref, i, pages_per_block, scale, softcap, precision)
         key_pos = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            s = jnp.tanh(s / softcap) * softcap
         key_ok = key_pos < kv_len
         mask = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         mask = mask & ((window <= 0) | (q_pos[:, None] - key_pos[None, :] < window))
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        v = jnp.where(jnp.broadcast_to(key_ok[:, None], (block_k, head_dim)), v, jnp.zeros((), v.dtype))
-        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+        return online_softmax_step(carry, s, mask, v, key_ok[:, None], precision=precision)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, online_softmax_init(rows, head_dim))
+    o_ref[...] = online_softmax_result(acc, l).astype(o_ref.dtype)
 
 
 def gpu_q_block(total_tokens: int, max_seqs: int, heads: int) -> int:
@@ -131,9 +120,7 @@ def _ragged_triton(
     w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
     num_items = w.seq.shape[0]
 
-    if pages_per_block is None:  # about 64 keys per block
-        pages_per_block = max(1, 64 // page_size)
-    pages_per_block = min(_next_pow2(pages_per_block), _next_pow2(max_pages))
+    pages_per_block = pages_per_block_for(pages_per_block, page_size, max_pages)
     padded_pages = -(-max_pages // pages_per_block) * pages_per_block
     item_pages = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))[w.seq]
     meta = jnp.stack([w.token, w.row0, w.q_len, w.kv_len], axis=1)

@@ -30,10 +30,17 @@ from pallas_kernels._common import (
     check_shape,
     chunk_pages_for,
     concrete_or_none,
+    select_kernel,
     validate_cache,
     validate_options,
     validate_page_tables,
 )
+
+# Backend -> (module, function) of the Pallas decode kernels, imported only when selected.
+PALLAS_KERNELS = {
+    "pallas_gpu": ("pallas_kernels.gpu_paged_attention", "paged_decode_attention_gpu"),
+    "pallas_tpu": ("pallas_kernels.tpu_paged_attention", "paged_decode_attention_tpu"),
+}
 
 
 def paged_decode_attention_reference(
@@ -119,14 +126,7 @@ def paged_decode_attention(
     **kernel_options: Any,
 ) -> jax.Array:
     """The Pallas decode kernel of `backend` ("pallas_gpu" or "pallas_tpu"), reference signature."""
-    if backend == "pallas_gpu":
-        from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu as kernel
-    elif backend == "pallas_tpu":
-        from pallas_kernels.tpu_paged_attention import paged_decode_attention_tpu as kernel
-    elif backend == "reference":
-        kernel = paged_decode_attention_reference
-    else:
-        raise ValueError(f"backend must be 'reference', 'pallas_gpu' or 'pallas_tpu', got {backend!r}")
+    kernel = select_kernel(backend, paged_decode_attention_reference, PALLAS_KERNELS)
     return kernel(
         q, k_pages, v_pages, page_tables, lengths, scale=scale, softcap=softcap, window=window, **kernel_options
     )

@@ -36,10 +36,17 @@ from pallas_kernels._common import (
     check_shape,
     chunk_pages_for,
     concrete_or_none,
+    select_kernel,
     validate_cache,
     validate_options,
     validate_page_tables,
 )
+
+# Backend -> (module, function) of the Pallas ragged kernels, imported only when selected.
+PALLAS_KERNELS = {
+    "pallas_gpu": ("pallas_kernels.gpu_ragged_attention", "ragged_paged_attention_gpu"),
+    "pallas_tpu": ("pallas_kernels.tpu_ragged_attention", "ragged_paged_attention_tpu"),
+}
 
 
 def default_q_block(total_tokens: int, max_seqs: int) -> int:
@@ -235,14 +242,7 @@ def ragged_paged_attention(
     **kernel_options: Any,
 ) -> jax.Array:
     """The Pallas ragged kernel of `backend` ("pallas_gpu" or "pallas_tpu"), reference signature."""
-    if backend == "pallas_gpu":
-        from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu as kernel
-    elif backend == "pallas_tpu":
-        from pallas_kernels.tpu_ragged_attention import ragged_paged_attention_tpu as kernel
-    elif backend == "reference":
-        kernel = ragged_paged_attention_reference
-    else:
-        raise ValueError(f"backend must be 'reference', 'pallas_gpu' or 'pallas_tpu', got {backend!r}")
+    kernel = select_kernel(backend, ragged_paged_attention_reference, PALLAS_KERNELS)
     return kernel(
         q,
         k_pages,

@@ -21,13 +21,20 @@ jax's own kernel does) are for measurement there.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import (
+    apply_softcap,
+    dot_precision,
+    online_softmax_init,
+    online_softmax_result,
+    online_softmax_step,
+)
 
 
 def default_interpret_params() -> pltpu.InterpretParams | bool:
@@ -35,6 +42,96 @@ def default_interpret_params() -> pltpu.InterpretParams | bool:
     if jax.default_backend() == "tpu":
         return False
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+
+def block_page_tables(page_tables: jax.Array, page_size: int, pages_per_block: int | None) -> tuple[jax.Array, int, int]:
+    """Page tables as int32, padded to whole blocks: (page_tables, pages_per_block, padded_pages).
+
+    `pages_per_block` defaults to ~128 keys per block and is capped at `max_pages_per_seq`. Padding
+    entries are page 0: in range, and past every length, so never visible.
+    """
+    max_pages = page_tables.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // page_size)
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    return page_tables, pages_per_block, padded_pages
+
+
+def attend_page_blocks(
+    load_q: Callable[[], jax.Array],
+    key_mask: Callable[[jax.Array], jax.Array],
+    kv_len: jax.Array,
+    first_block: jax.Array,
+    end_block: jax.Array,
+    *,
+    page_ids_ref,  # SMEM int32: the program's page-table row starts at page_ids_ref[page_offset]
+    page_offset: jax.Array,
+    head: jax.Array,
+    k_pages_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    v_pages_hbm,
+    k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM
+    v_buf,
+    sems,  # DMA semaphores, [0, slot] for K and [1, slot] for V
+    scale: float,
+    softcap: float | None,
+    precision: jax.lax.Precision,
+) -> jax.Array:  # [rows, head_dim] float32
+    """The body both TPU kernels share: attention of one program's query rows over its blocks of pages.
+
+    Blocks `first_block <= i < end_block` are copied from HBM page by page into the two-slot
+    buffers (block i + 1 is in flight while block i is computed) and folded into a keepdims online
+    softmax. `load_q()` gives the query rows [rows, head_dim]; it is called after the first block's
+    DMAs have started, so a query DMA overlaps them. `key_mask(key_pos)` says which keys each row
+    sees ([rows, block_k] int32 positions -> bool); value slots at or past `kv_len` are unwritten.
+    """
+    pages_per_block, page_size, head_dim = k_buf.shape[1:]
+    block_k = pages_per_block * page_size
+
+    def copies(block, slot):
+        """The DMAs of one block: each page of K and V into its place in the slot's buffer."""
+        out = []
+        for j in range(pages_per_block):
+            page = page_ids_ref[page_offset + block * pages_per_block + j]
+            out.append(pltpu.make_async_copy(k_pages_hbm.at[head, page], k_buf.at[slot, j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_pages_hbm.at[head, page], v_buf.at[slot, j], sems.at[1, slot]))
+        return out
+
+    def start(block, slot):
+        for c in copies(block, slot):
+            c.start()
+
+    @pl.when(first_block < end_block)
+    def _prefetch_first():
+        start(first_block, 0)
+
+    q = load_q()
+    rows = q.shape[0]
+
+    def body(block, carry):
+        slot = (block - first_block) % 2
+
+        @pl.when(block + 1 < end_block)
+        def _prefetch_next():
+            start(block + 1, 1 - slot)
+
+        for c in copies(block, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_k, head_dim)
+        v = v_buf[slot].reshape(block_k, head_dim)
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+        s = apply_softcap(s * scale, softcap)
+        key_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        v_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        # unwritten slots may hold NaN
+        return online_softmax_step(carry, s, key_mask(key_pos), v, v_pos < kv_len, precision=precision, keepdims=True)
+
+    init = online_softmax_init(rows, head_dim, keepdims=True)
+    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    return online_softmax_result(acc, l, keepdims=True)
 
 
 def _decode_kernel(
@@ -55,77 +152,37 @@ def _decode_kernel(
     *,
     scale: float,
     softcap: float | None,
-    pages_per_block: int,
     padded_pages: int,
     precision: jax.lax.Precision,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    group, head_dim = q_ref.shape
-    page_size = k_buf.shape[2]
-    block_k = pages_per_block * page_size
+    block_k = k_buf.shape[1] * k_buf.shape[2]
     length = lengths_ref[b]
     window = window_ref[0]
     first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)  # q_pos - window + 1
-    first_block = first_key // block_k
-    end_block = (length + block_k - 1) // block_k
 
-    def copies(block, slot):
-        """The DMAs of one block: each page of K and V into its place in the slot's buffer."""
-        out = []
-        for j in range(pages_per_block):
-            page = page_tables_ref[b * padded_pages + block * pages_per_block + j]
-            out.append(pltpu.make_async_copy(k_pages_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_pages_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
-        return out
+    def key_mask(key_pos):
+        return (key_pos < length) & (key_pos >= first_key)  # key_pos <= q_pos follows from < length
 
-    def start(block, slot):
-        for c in copies(block, slot):
-            c.start()
-
-    @pl.when(first_block < end_block)
-    def _prefetch_first():
-        start(first_block, 0)
-
-    q = q_ref[...]
-
-    def body(block, carry):
-        acc, m, l = carry
-        slot = (block - first_block) % 2
-
-        @pl.when(block + 1 < end_block)
-        def _prefetch_next():
-            start(block + 1, 1 - slot)
-
-        for c in copies(block, slot):
-            c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
-        s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        s = s * scale
-        if softcap is not None:
-            s = jnp.tanh(s / softcap) * softcap
-        key_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (group, block_k), 1)
-        mask = (key_pos < length) & (key_pos >= first_key)  # key_pos <= q_pos follows from < length
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        v_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        v = jnp.where(v_pos < length, v, jnp.zeros((), v.dtype))  # unwritten slots may hold NaN
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        return acc * alpha + pv, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
-
-    init = (
-        jnp.zeros((group, head_dim), jnp.float32),
-        jnp.full((group, 1), MASK_VALUE, jnp.float32),
-        jnp.zeros((group, 1), jnp.float32),
+    out = attend_page_blocks(
+        lambda: q_ref[...],
+        key_mask,
+        length,
+        first_key // block_k,
+        (length + block_k - 1) // block_k,
+        page_ids_ref=page_tables_ref,
+        page_offset=b * padded_pages,
+        head=h,
+        k_pages_hbm=k_pages_hbm,
+        v_pages_hbm=v_pages_hbm,
+        k_buf=k_buf,
+        v_buf=v_buf,
+        sems=sems,
+        scale=scale,
+        softcap=softcap,
+        precision=precision,
     )
-    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def paged_decode_attention_tpu(
@@ -148,17 +205,10 @@ def paged_decode_attention_tpu(
     """
     batch, q_heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
-    max_pages = page_tables.shape[1]
     group = q_heads // kv_heads
-    if pages_per_block is None:
-        pages_per_block = max(1, 128 // page_size)
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
-    # Padding entries are page 0: in range, and past every length, so never visible.
-    page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    page_tables, pages_per_block, padded_pages = block_page_tables(page_tables, page_size, pages_per_block)
     if interpret is None:
         interpret = default_interpret_params()
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
@@ -167,9 +217,8 @@ def paged_decode_attention_tpu(
             _decode_kernel,
             scale=scale,
             softcap=softcap,
-            pages_per_block=pages_per_block,
             padded_pages=padded_pages,
-            precision=precision,
+            precision=dot_precision(q.dtype),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,

@@ -6,7 +6,8 @@ An item's query rows start at an arbitrary token, which a BlockSpec cannot expre
 HBM and the item's `q_block` tokens are copied by one DMA into VMEM. K/V pages are copied page by
 page into a two-slot VMEM buffer, double-buffered across the blocks of pages the item can see
 (sliding window to causal end). Every DMA indexes whole refs (`.at[...]`), never reshaped refs; the
-reshapes are on loaded values. Outputs go to a per-item block and are read back per token.
+reshapes are on loaded values. The block loop itself is `tpu_paged_attention.attend_page_blocks`,
+shared with the decode kernel. Outputs go to a per-item block and are read back per token.
 
 Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising); never run or
 timed on a TPU, where block sizes and layout (e.g. head_dim/lanes, q_block * heads/sublanes) need
@@ -22,9 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASK_VALUE
+from pallas_kernels._common import dot_precision
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
-from pallas_kernels.tpu_paged_attention import default_interpret_params
+from pallas_kernels.tpu_paged_attention import attend_page_blocks, block_page_tables, default_interpret_params
 
 _META = 4  # per item: first token, first row within the sequence, q_len, kv_len
 
@@ -49,14 +50,12 @@ def _ragged_kernel(
     scale: float,
     softcap: float | None,
     q_block: int,
-    pages_per_block: int,
     padded_pages: int,
     precision: jax.lax.Precision,
 ):
     item, h = pl.program_id(0), pl.program_id(1)
     _, group, head_dim = q_buf.shape
-    page_size = k_buf.shape[2]
-    block_k = pages_per_block * page_size
+    block_k = k_buf.shape[1] * k_buf.shape[2]
     rows = q_block * group
     token = meta_ref[item * _META]
     row0 = meta_ref[item * _META + 1]
@@ -67,74 +66,42 @@ def _ragged_kernel(
     first_pos = kv_len - q_len + row0
     last_pos = kv_len - q_len + jnp.minimum(row0 + q_block, q_len) - 1
     first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_block = first_key // block_k
-    end_block = (jnp.maximum(last_pos + 1, 0) + block_k - 1) // block_k
 
     q_copy = pltpu.make_async_copy(q_hbm.at[h, pl.ds(token, q_block)], q_buf, sems.at[2, 0])
     q_copy.start()
 
-    def copies(block, slot):
-        out = []
-        for j in range(pages_per_block):
-            page = page_tables_ref[item * padded_pages + block * pages_per_block + j]
-            out.append(pltpu.make_async_copy(k_pages_hbm.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_pages_hbm.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
-        return out
+    def load_q():
+        q_copy.wait()
+        return q_buf[...].reshape(rows, head_dim)
 
-    def start(block, slot):
-        for c in copies(block, slot):
-            c.start()
-
-    @pl.when(first_block < end_block)
-    def _prefetch_first():
-        start(first_block, 0)
-
-    q_copy.wait()
-    q = q_buf[...].reshape(rows, head_dim)
     r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     local = row0 + r // group
     row_ok = local < q_len  # [rows, 1]
     q_pos = kv_len - q_len + local
 
-    def body(block, carry):
-        acc, m, l = carry
-        slot = (block - first_block) % 2
-
-        @pl.when(block + 1 < end_block)
-        def _prefetch_next():
-            start(block + 1, 1 - slot)
-
-        for c in copies(block, slot):
-            c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
-        s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        s = s * scale
-        if softcap is not None:
-            s = jnp.tanh(s / softcap) * softcap
-        key_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+    def key_mask(key_pos):
         mask = row_ok & (key_pos < kv_len) & (key_pos <= q_pos)
-        mask = mask & ((window <= 0) | (q_pos - key_pos < window))
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        v_pos = block * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        v = jnp.where(v_pos < kv_len, v, jnp.zeros((), v.dtype))  # unwritten slots may hold NaN
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-        return acc * alpha + pv, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
+        return mask & ((window <= 0) | (q_pos - key_pos < window))
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
+    out = attend_page_blocks(
+        load_q,
+        key_mask,
+        kv_len,
+        first_key // block_k,
+        (jnp.maximum(last_pos + 1, 0) + block_k - 1) // block_k,
+        page_ids_ref=page_tables_ref,
+        page_offset=item * padded_pages,
+        head=h,
+        k_pages_hbm=k_pages_hbm,
+        v_pages_hbm=v_pages_hbm,
+        k_buf=k_buf,
+        v_buf=v_buf,
+        sems=sems,
+        scale=scale,
+        softcap=softcap,
+        precision=precision,
     )
-    acc, _, l = jax.lax.fori_loop(first_block, end_block, body, init)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def ragged_paged_attention_tpu(
@@ -156,23 +123,19 @@ def ragged_paged_attention_tpu(
     """Ragged attention as a Pallas TPU kernel; same semantics as `ragged_paged_attention_reference`."""
     total, q_heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
-    max_seqs, max_pages = page_tables.shape
+    max_seqs = page_tables.shape[0]
     group = q_heads // kv_heads
     tq = q_block or max(default_q_block(total, max_seqs), -(-8 // group))  # >= 8 rows (one sublane tile)
     w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
     num_items = w.seq.shape[0]
-    if pages_per_block is None:
-        pages_per_block = max(1, 128 // page_size)
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
-    item_pages = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))[w.seq]
+    page_tables, pages_per_block, padded_pages = block_page_tables(page_tables, page_size, pages_per_block)
+    item_pages = page_tables[w.seq]
     meta = jnp.stack([w.token, w.row0, w.q_len, w.kv_len], axis=1)
     # [kv_heads, tokens + q_block, group, head_dim]: an item's q_block rows never run off the end.
     qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qg = jnp.pad(qg, ((0, 0), (0, tq), (0, 0), (0, 0)))
     if interpret is None:
         interpret = default_interpret_params()
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
     out = pl.pallas_call(
@@ -181,9 +144,8 @@ def ragged_paged_attention_tpu(
             scale=scale,
             softcap=softcap,
             q_block=tq,
-            pages_per_block=pages_per_block,
             padded_pages=padded_pages,
-            precision=precision,
+            precision=dot_precision(q.dtype),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,

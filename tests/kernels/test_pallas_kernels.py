@@ -123,6 +123,23 @@ def test_tpu_interpret_mode_raises_on_out_of_bounds_page():
         pltpu.reset_tpu_interpret_mode_state()
 
 
+def production_shape_args() -> tuple[list[jax.ShapeDtypeStruct], list[jax.ShapeDtypeStruct]]:
+    """Abstract (decode, ragged) kernel arguments at production shapes (8 sequences, 32 query heads,
+    8 kv heads, head_dim 128, bf16), for the lowering tests."""
+    S = jax.ShapeDtypeStruct
+    b, h, kv, d, pages, page, per_seq, tokens = 8, 32, 8, 128, 256, 16, 32, 256
+    decode_args = [
+        S((b, h, d), jnp.bfloat16),
+        S((kv, pages, page, d), jnp.bfloat16),
+        S((kv, pages, page, d), jnp.bfloat16),
+        S((b, per_seq), jnp.int32),
+        S((b,), jnp.int32),
+    ]
+    ragged_args = [S((tokens, h, d), jnp.bfloat16), *decode_args[1:4], S((b + 1,), jnp.int32), S((b,), jnp.int32)]
+    ragged_args.append(S((), jnp.int32))
+    return decode_args, ragged_args
+
+
 def test_gpu_kernels_lower_to_triton_for_h100():
     """Without a GPU, check that both GPU kernels at production shapes get through the Pallas Triton
     lowering (what interpret mode cannot check: supported ops, block shapes). Triton's own
@@ -135,17 +152,7 @@ def test_gpu_kernels_lower_to_triton_for_h100():
     from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu
     from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
 
-    S = jax.ShapeDtypeStruct
-    b, h, kv, d, pages, page, per_seq, tokens = 8, 32, 8, 128, 256, 16, 32, 256
-    decode_args = [
-        S((b, h, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
-        S((b, per_seq), jnp.int32),
-        S((b,), jnp.int32),
-    ]
-    ragged_args = [S((tokens, h, d), jnp.bfloat16), *decode_args[1:4], S((b + 1,), jnp.int32), S((b,), jnp.int32)]
-    ragged_args.append(S((), jnp.int32))
+    decode_args, ragged_args = production_shape_args()
     original = pallas_call_registration.gpu_info_lib.get_gpu_info
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     try:
@@ -168,17 +175,7 @@ def test_tpu_kernels_lower_to_mosaic_for_v5e():
     from pallas_kernels.tpu_paged_attention import paged_decode_attention_tpu
     from pallas_kernels.tpu_ragged_attention import ragged_paged_attention_tpu
 
-    S = jax.ShapeDtypeStruct
-    b, h, kv, d, pages, page, per_seq, tokens = 8, 32, 8, 128, 256, 16, 32, 256
-    decode_args = [
-        S((b, h, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
-        S((b, per_seq), jnp.int32),
-        S((b,), jnp.int32),
-    ]
-    ragged_args = [S((tokens, h, d), jnp.bfloat16), *decode_args[1:4], S((b + 1,), jnp.int32), S((b,), jnp.int32)]
-    ragged_args.append(S((), jnp.int32))
+    decode_args, ragged_args = production_shape_args()
     device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     for fn, args in ((paged_decode_attention_tpu, decode_args), (ragged_paged_attention_tpu, ragged_args)):
         f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, window=jnp.int32(0), interpret=False))
