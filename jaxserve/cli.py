@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on "
                    "inference routes; repeat the flag to accept several keys")
+    s.add_argument("--max-concurrent-requests", type=int, default=1024, help="requests in flight at once; "
+                   "more get 429 at once (no unbounded queue)")
+    s.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger -> 413")
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run before it "
+                   "ends with finish_reason 'timeout' (default: no limit)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests "
+                   "get to finish before they are aborted")
+    s.add_argument("--max-n", type=int, default=128, help="largest n / best_of per request")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p
 
@@ -168,6 +176,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_pages is not None and args.num_pages < 2:
         raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
+    for flag in ("max_concurrent_requests", "max_request_bytes", "max_n"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ConfigError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.kv_cache_memory_fraction <= 1:
         raise ConfigError(f"--kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
     cache_dir = args.cache_dir or default_cache_dir()
@@ -196,7 +211,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        server=ServerConfig(host=args.host, port=args.port, api_keys=tuple(args.api_key or ())),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            api_keys=tuple(args.api_key or ()),
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            max_n=args.max_n,
+        ),
     )
 
 
@@ -215,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import create_app, serve
     from jaxserve.startup import start_engine
 
     try:
@@ -224,10 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log.info("ready in %.1fs (load %.1fs, compile %.1fs for %d step shapes)", timings["total"], timings["load"],
              timings["compile"], len(engine.compile_seconds))
-    print(
-        f"jaxserve: the HTTP server is not built yet, so nothing listens on "
-        f"{config.server.host}:{config.server.port}. The model loaded and every step compiled; "
-        "serving arrives with the server work.",
-        file=sys.stderr,
-    )
-    return 3
+    async_engine = AsyncEngine(engine)
+    srv = config.server
+    app = create_app(async_engine, engine.tokenizer, config.model.served_model_name,
+                     engine.config.scheduler.max_model_len, api_keys=srv.api_keys,
+                     max_request_bytes=srv.max_request_bytes, max_concurrent_requests=srv.max_concurrent_requests,
+                     request_timeout=srv.request_timeout)
+    try:
+        serve(app, srv.host, srv.port, shutdown_timeout=srv.shutdown_timeout)  # blocks until SIGTERM/SIGINT
+    finally:
+        async_engine.shutdown()
+    return 0

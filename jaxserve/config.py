@@ -56,6 +56,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    max_concurrent_requests: int = 1024  # over it: 429 at once
+    max_request_bytes: int = 16 * 2**20  # over it: 413
+    request_timeout: float | None = None  # seconds; None = no deadline
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_n: int = 128
 
 
 @dataclasses.dataclass(frozen=True)

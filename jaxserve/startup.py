@@ -77,7 +77,8 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     engine = Engine(
         ready.loaded.model,
         ready.tokenizer,
-        EngineConfig(cache=config.cache, scheduler=scheduler, compilation_cache_dir=config.compilation_cache_dir),
+        EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
+                     compilation_cache_dir=config.compilation_cache_dir),
     )
     loaded = time.perf_counter()
     engine.compile()

@@ -62,22 +62,59 @@ def test_default_model_is_the_packaged_smollm2():
     assert config_from_args(parse_args([])).model.served_model_name == "SmolLM2-135M-Instruct"
 
 
-def test_start_up_loads_the_model_and_refuses_to_pretend(tmp_path):
-    make_tiny_model("qwen3", tmp_path / "tiny")
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _free_port() -> int:
+    import socket
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2").save_pretrained(tmp_path / "tiny")
-    proc = subprocess.run(
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_python_m_jaxserve_serves_and_stops_on_sigterm(tmp_path):
+    """The real entry point: load, compile, answer a completion on a real port, exit 0 on SIGTERM."""
+    import signal
+    import time
+
+    import httpx
+
+    from tiny_models import save_tiny_tokenizer
+
+    make_tiny_model("qwen3", tmp_path / "tiny")
+    save_tiny_tokenizer(tmp_path / "tiny")
+    port = _free_port()
+    proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve", "--model", str(tmp_path / "tiny"), "--cache-dir", str(tmp_path / "c"),
-         "--max-model-len", "128"],
-        capture_output=True, text=True, timeout=300,
+         "--max-model-len", "128", "--port", str(port), "--served-model-name", "tiny", "--max-num-seqs", "2",
+         "--max-num-batched-tokens", "16", "--num-pages", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert "Qwen3ForCausalLM" in proc.stderr and "max_model_len 128" in proc.stderr
-    assert "HTTP server is not built yet" in proc.stderr
-    assert proc.returncode == 3
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"model": "tiny", "prompt": "w5 w9 w13", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 4 and reply["choices"][0]["finish_reason"] == "length"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "Qwen3ForCausalLM" in out and "max_model_len 128" in out and "ready in" in out
+
+
+def test_max_model_len_beyond_the_model_is_refused(tmp_path):
+    make_tiny_model("qwen3", tmp_path / "tiny")
+    from tiny_models import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path / "tiny")
     too_long = subprocess.run(
         [sys.executable, "-m", "jaxserve", "--model", str(tmp_path / "tiny"), "--max-model-len", "100000",
          "--no-weight-cache"],

@@ -1,0 +1,1 @@
+"""The HTTP layer: a Quart app speaking OpenAI, SGLang and Triton over one AsyncEngine."""

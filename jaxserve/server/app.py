@@ -1,0 +1,152 @@
+"""The Quart app: shared state, auth, admission, errors, and every API family's routes; `serve`
+runs it under Hypercorn with a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server import openai, sglang, triton
+from jaxserve.server.auth import check_bearer
+from jaxserve.server.errors import error_response, protocol_of
+from jaxserve.server.generation import ServerState
+from jaxserve.server.metrics import Metrics
+from jaxserve.server.openapi import openapi_spec
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+
+
+def create_app(
+    async_engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    max_model_len: int,
+    api_keys: tuple[str, ...] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    request_timeout: float | None = None,
+) -> Quart:
+    if max_request_bytes < 1 or max_concurrent_requests < 1:
+        raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
+                         f"({max_concurrent_requests}) must be >= 1")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+    app = Quart("jaxserve")
+    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes  # larger bodies -> 413
+    # Quart cuts bodies and responses at 60 s by default; a long generation must not be cut.
+    app.config["BODY_TIMEOUT"] = None
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app.json.sort_keys = False  # keep OpenAI's field order ("id" first), as clients' logs show it
+    state = ServerState(
+        engine=async_engine, tokenizer=tokenizer, model_name=served_model_name, max_model_len=max_model_len,
+        max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
+        metrics=_metrics(served_model_name, async_engine),
+    )
+    app.extensions["jaxserve"] = state
+    keys = tuple(k.encode() for k in api_keys)
+
+    @app.before_request
+    async def authenticate() -> None:
+        check_bearer(request.path, request.headers.get("Authorization"), keys)
+
+    @app.errorhandler(Exception)
+    async def on_error(exc: Exception) -> Response:
+        return error_response(exc, protocol_of(request.path))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when serving; 503 while draining or after an engine failure."""
+        if state.draining or async_engine.error is not None:
+            return Response("", status=503)
+        return Response("", status=200)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        """This document."""
+        return jsonify(openapi_spec(app))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    openai.register(app, state)
+    sglang.register(app, state)
+    triton.register(app, state)
+    return app
+
+
+def _metrics(model_name: str, async_engine: AsyncEngine) -> Metrics:
+    m = Metrics(model_name)
+    # Read from the engine thread's objects without a lock: a scrape may be one step stale.
+    engine = async_engine.engine
+    alloc = engine.allocator
+    m.gauge("num_requests_running", "Sequences in the running batch.", lambda: engine.scheduler.num_running)
+    m.gauge("num_requests_waiting", "Sequences waiting for admission.", lambda: engine.scheduler.num_waiting)
+    m.gauge("kv_cache_usage_perc", "Fraction of KV pages in use.",
+            lambda: alloc.num_used_pages / max(1, alloc.num_usable_pages))
+    m.gauge("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up.",
+            lambda: alloc.prefix_cache_hit_rate)
+    m.gauge("num_preemptions", "Sequences preempted (recomputed) so far.", lambda: engine.num_preemptions)
+    return m
+
+
+def state_of(app: Quart) -> ServerState:
+    return app.extensions["jaxserve"]
+
+
+def hypercorn_config(host: str, port: int, shutdown_timeout: float) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    # Our own deadline (serve_async) ends in-flight requests at shutdown_timeout; Hypercorn's is a
+    # backstop (on Python 3.12 it waits for open connections before its timeout even starts).
+    config.graceful_timeout = shutdown_timeout + 5.0
+    config.accesslog = None
+    config.keep_alive_timeout = 75
+    return config
+
+
+async def serve_async(app: Quart, host: str, port: int, shutdown_timeout: float,
+                      shutdown_trigger: Callable[[], Awaitable[None]]) -> None:
+    """Serve until `shutdown_trigger` returns, then stop accepting, let in-flight requests finish
+    for up to `shutdown_timeout` seconds, and abort the rest (their bodies are cancelled)."""
+    state = state_of(app)
+
+    async def trigger() -> None:
+        await shutdown_trigger()
+        state.draining = True  # /health turns 503, new inference requests are refused
+        log.info("shutting down: finishing in-flight requests (up to %ss)", shutdown_timeout)
+        asyncio.get_running_loop().call_later(shutdown_timeout, _abort_rest, state)
+
+    await hypercorn_serve(app, hypercorn_config(host, port, shutdown_timeout), shutdown_trigger=trigger)
+
+
+def _abort_rest(state: ServerState) -> None:
+    if n := state.abort_all():
+        log.warning("shutdown timeout: aborted %d in-flight request(s)", n)
+
+
+def serve(app: Quart, host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+    """Serve until SIGTERM or SIGINT; blocks. The caller shuts the AsyncEngine down afterwards."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("serving %s on http://%s:%d", state_of(app).model_name, host, port)
+        await serve_async(app, host, port, shutdown_timeout, stop.wait)
+
+    asyncio.run(main())

@@ -1,0 +1,270 @@
+"""The routes' side of the engine: admission (--max-concurrent-requests), submission, deadlines,
+metrics, and making sure every engine request ends when its HTTP request does.
+
+A `Flight` is one HTTP request's hold on the engine. Whatever way the HTTP request ends — the
+response is complete, the client went away (Quart cancels the handler or closes the body), or
+the body was never started — the Flight's engine requests are aborted and its slot returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+import weakref
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.output import RequestOutput
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server.errors import ApiError
+from jaxserve.server.metrics import Metrics
+from jaxserve.tokenizer import Tokenizer
+
+TIMEOUT = "timeout"  # the finish reason of a request cut by --request-timeout
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    max_concurrent_requests: int
+    request_timeout: float | None
+    metrics: Metrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    num_in_flight: int = 0
+    draining: bool = False
+    flights: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.vocab_size
+
+    def flight(self) -> "Flight":
+        """Admit one HTTP request, or refuse at once (no unbounded queue)."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.num_in_flight >= self.max_concurrent_requests:
+            raise ApiError(429, f"the server is at --max-concurrent-requests ({self.max_concurrent_requests}); "
+                           "retry later", code="too_many_requests")
+        return Flight(self)
+
+    def abort_all(self) -> int:
+        """End every in-flight request (their responses finish with finish_reason "abort")."""
+        flights = list(self.flights)
+        for flight in flights:
+            for s in flight.streams:
+                if not s.finished:
+                    self.engine.abort(s.request_id)
+        return len(flights)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Flight:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.streams: list[EngineStream] = []
+        self.closed = False
+        state.num_in_flight += 1
+        state.flights.add(self)
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     priority: int = 0) -> "EngineStream":
+        engine = self.state.engine
+        try:
+            inner = await engine.submit(request_id, prompt_ids, params, priority)
+        except asyncio.CancelledError:
+            engine.abort(request_id)  # the engine may have queued it before we were cancelled
+            raise
+        stream = EngineStream(self.state, request_id, inner, len(prompt_ids))
+        self.streams.append(stream)
+        return stream
+
+    async def collect(self) -> list[RequestOutput]:
+        """Every stream's whole output (non-streaming responses)."""
+        return list(await asyncio.gather(*(s.collect() for s in self.streams)))
+
+    async def close(self) -> None:
+        self._release()
+        for s in self.streams:
+            await s.aclose()
+
+    async def guard(self, body: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        """A streamed body that closes the flight however the response ends."""
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            self._release()  # the engine requests end now, even if the awaits below are cancelled
+            await body.aclose()  # stops merged()'s readers before the streams are closed under them
+            await self.close()
+
+    def _release(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.state.num_in_flight -= 1
+            self.state.flights.discard(self)
+            for s in self.streams:
+                s.abort()
+
+    def __del__(self) -> None:  # the server dropped a streamed body without starting it
+        self._release()
+
+
+class EngineStream:
+    """One engine request's deltas, with its deadline and its metrics."""
+
+    def __init__(self, state: ServerState, request_id: str, inner: AsyncIterator[RequestOutput], num_prompt: int):
+        self.state = state
+        self.request_id = request_id
+        self.inner = inner
+        self.num_prompt = num_prompt
+        self.finished = False
+        self.timed_out = False
+        self.start = time.monotonic()
+        self.last_token: float | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        if state.request_timeout is not None:
+            self.timer = asyncio.get_running_loop().call_later(state.request_timeout, self._deadline)
+
+    def _deadline(self) -> None:
+        # Abort rather than cancel: the engine then posts the final delta, which we relabel.
+        self.timed_out = True
+        self.state.engine.abort(self.request_id)
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.inner.__anext__()
+        self._record(out)
+        if out.finished:
+            self.finished = True
+            self._cancel_timer()
+        if self.timed_out:
+            for o in out.outputs:
+                if o.finish_reason == "abort":
+                    o.finish_reason, o.stop_reason = TIMEOUT, f"request timeout ({self.state.request_timeout}s)"
+        return out
+
+    async def collect(self) -> RequestOutput:
+        total: RequestOutput | None = None
+        try:
+            async for delta in self:
+                if total is None:
+                    total = dataclasses.replace(delta, outputs=[])
+                total.merge(delta)
+        finally:
+            await self.aclose()
+        if total is None:
+            raise ApiError(503, "the engine ended the request without output", code="engine_stopped")
+        return total
+
+    def abort(self) -> None:
+        self._cancel_timer()
+        if not self.finished:
+            self.finished = True
+            self.state.engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+        aclose: Any = getattr(self.inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _record(self, out: RequestOutput) -> None:
+        m = self.state.metrics
+        now = time.monotonic()
+        num_new = sum(len(o.token_ids) for o in out.outputs)
+        if num_new:
+            if self.last_token is None:
+                m.ttft.observe(now - self.start)
+            else:
+                m.itl.observe((now - self.last_token) / num_new)
+            self.last_token = now
+            m.generation_tokens.inc(num_new)
+        if out.finished:
+            m.e2e.observe(now - self.start)
+            m.prompt_tokens.inc(self.num_prompt)
+            for o in out.outputs:
+                if o.finish_reason is not None:
+                    m.requests.inc(1, TIMEOUT if self.timed_out and o.finish_reason == "abort" else o.finish_reason)
+
+
+async def merged(streams: list[EngineStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' deltas as they arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: EngineStream) -> None:
+        try:
+            async for delta in s:
+                await queue.put((i, delta, None))
+        except Exception as e:  # surfaced to the consumer in order
+            await queue.put((i, None, e))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                remaining -= 1
+                continue
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Token sequences to ban for each word, as vLLM does: with and without a leading space,
+    since the word may start a new word or continue one."""
+    out: list[list[int]] = []
+    for word in words:
+        if not word.strip():
+            raise ApiError(400, "bad_words: entries must be non-empty words", "bad_words")
+        for variant in (word.strip(), " " + word.strip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's own text, special tokens spelled out (the form logprobs show)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def route(app: Any, state: ServerState, rule: str, handler: Callable[..., Awaitable[Any]], method: str,
+          body: type | None = None) -> None:
+    """Register `handler(state, **url_args)` as an async view; `body` (a pydantic model) documents
+    the request in /openapi.json."""
+
+    async def view(**kwargs: Any) -> Any:
+        return await handler(state, **kwargs)
+
+    view.__doc__ = handler.__doc__
+    view.request_model = body  # type: ignore[attr-defined]
+    app.add_url_rule(rule, f"{method} {rule}", view, methods=[method])

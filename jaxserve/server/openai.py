@@ -1,0 +1,385 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (also under /v3), /v1/models,
+/tokenize, /detokenize. Shapes follow OpenAI, with vLLM's extras (stop_reason, return_token_ids)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, TypeVar
+
+import pydantic
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.engine.output import RequestOutput, TokenLogprob
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server import sse
+from jaxserve.server.errors import ApiError, error_event, not_supported
+from jaxserve.server.generation import ServerState, bad_words_ids, merged, new_id, route, token_text
+from jaxserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    SamplingFields,
+)
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+async def parse(model: type[M]) -> M:
+    """The body as `model`; malformed JSON, wrong types and out-of-range values raise (-> 400)."""
+    return model.model_validate_json(await request.get_data(cache=False))
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
+                       "model", code="model_not_found")
+
+
+def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    _refuse_unsupported(req)
+    if req.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
+    else:
+        logit_bias = None
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        n=req.n, best_of=req.best_of, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0,
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias, seed=req.seed, ignore_eos=req.ignore_eos, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), include_stop_str_in_output=req.include_stop_str_in_output,
+        bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+
+
+def _refuse_unsupported(req: SamplingFields) -> None:
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(req, name) is not None:
+            raise not_supported(name, "structured output")
+    fmt = req.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise not_supported("response_format", "structured output")
+    if req.prompt_logprobs is not None:
+        raise not_supported("prompt_logprobs", "prompt logprobs")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
+                       "best_of")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _usage_options(req: SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk before [DONE], usage so far on every chunk: vLLM's continuous_usage_stats)."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    return opts.include_usage, opts.include_usage and opts.continuous_usage_stats
+
+
+class _Usage:
+    """Token counts across a request's engine streams, as deltas arrive."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self.prompt = sum(map(len, prompts))
+        self.completion = 0
+        self.cached: dict[int, int] = {}
+
+    def add(self, i: int, delta: RequestOutput) -> None:
+        self.completion += sum(len(o.token_ids) for o in delta.outputs)
+        self.cached[i] = delta.num_cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        return usage(self.prompt, self.completion, sum(self.cached.values()))
+
+
+# ---- logprobs -------------------------------------------------------------------------------------
+def legacy_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's completions shape: parallel lists, top alternatives as {token text: logprob}."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for lp in lps:
+        text = token_text(state.tokenizer, lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        alternatives = {token_text(state.tokenizer, i): v for i, v in lp.top}
+        alternatives.setdefault(text, lp.logprob)
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(state: ServerState, lps: list[TokenLogprob], num_top: int) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(state.tokenizer, token_id)
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[:num_top]]}
+                        for lp in lps]}
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        texts: list[str] | None = [p]
+    elif p and isinstance(p[0], str):
+        texts = p  # type: ignore[assignment]
+    else:
+        texts = None
+    if texts is not None:
+        prompts = [state.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
+    elif p and isinstance(p[0], int):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    if not prompts or any(not ids for ids in prompts):
+        raise ApiError(400, "prompt: must not be empty", "prompt")
+    return prompts
+
+
+async def completions(state: ServerState) -> Response:
+    """OpenAI text completions (legacy), with vLLM's sampling extras."""
+    req = await parse(CompletionRequest)
+    check_model(state, req.model)
+    if req.suffix is not None:
+        raise not_supported("suffix", "suffix (insertion)")
+    if req.echo and req.logprobs is not None:
+        raise not_supported("echo", "echo with logprobs (it needs prompt logprobs)")
+    prompts = completion_prompts(state, req)
+    params = sampling_params(state, req, req.max_tokens, req.logprobs)
+    request_id = new_id("cmpl")
+    flight = state.flight()
+    handed_off = False
+    try:
+        for i, ids in enumerate(prompts):
+            await flight.submit(f"{request_id}-{i}", ids, params, req.priority)
+        if req.stream:
+            handed_off = True
+            return sse.sse_response(flight.guard(_completion_stream(state, req, request_id, prompts, flight.streams)))
+        results = await flight.collect()
+    finally:
+        if not handed_off:
+            await flight.close()
+    choices = []
+    total = _Usage(prompts)
+    for i, (ids, res) in enumerate(zip(prompts, results)):
+        total.add(i, res)
+        echo = state.tokenizer.decode(ids) if req.echo else ""
+        for o in res.outputs:
+            choice = {"index": i * req.n + o.index, "text": echo + o.text,
+                      "logprobs": legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None,
+                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if req.return_token_ids:
+                choice |= {"prompt_token_ids": ids, "token_ids": o.token_ids}
+            choices.append(choice)
+    return jsonify({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                    "model": state.model_name, "choices": choices, "usage": total.body(),
+                    "system_fingerprint": None})
+
+
+async def _completion_stream(state: ServerState, req: CompletionRequest, request_id: str,
+                             prompts: list[list[int]], streams: list) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    include_usage, continuous = _usage_options(req)
+    total = _Usage(prompts)
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            body["usage"] = total.body() if continuous else None
+        return sse.event(body)
+
+    try:
+        async for i, delta in merged(streams):
+            total.add(i, delta)
+            for o in delta.outputs:
+                index = i * req.n + o.index
+                first = index not in offsets
+                echo = state.tokenizer.decode(prompts[i]) if first and req.echo else ""
+                if first:
+                    offsets[index] = len(echo)  # logprobs' text_offset counts from the echoed prompt
+                choice = {"index": index, "text": echo + o.text, "logprobs": None, "finish_reason": o.finish_reason,
+                          "stop_reason": o.stop_reason}
+                if o.logprobs is not None:
+                    choice["logprobs"] = legacy_logprobs(state, o.logprobs, offsets[index])
+                    offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                if req.return_token_ids:
+                    choice["token_ids"] = o.token_ids
+                    if first:
+                        choice["prompt_token_ids"] = prompts[i]
+                yield chunk([choice])
+        if include_usage:
+            yield sse.event({"id": request_id, "object": "text_completion", "created": created,
+                             "model": state.model_name, "choices": [], "usage": total.body()})
+    except Exception as e:
+        yield sse.event(error_event(e, "openai"))
+    yield sse.DONE
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------------
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content parts joined into one string."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise not_supported(f"messages[{i}].content", f"content part type {part.type!r}")
+                texts.append(part.text)
+            d["content"] = "\n".join(texts)
+        out.append(d)
+    return out
+
+
+def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    return state.tokenizer.encode_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                       tools=tools)
+
+
+async def chat_completions(state: ServerState) -> Response:
+    """OpenAI chat completions, with vLLM's sampling and chat-template extras."""
+    req = await parse(ChatCompletionRequest)
+    check_model(state, req.model)
+    if req.continue_final_message:
+        raise not_supported("continue_final_message", "continue_final_message")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise not_supported("tool_choice", "forced tool calls")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
+    prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
+                         req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    request_id = new_id("chatcmpl")
+    flight = state.flight()
+    handed_off = False
+    try:
+        await flight.submit(request_id, prompt, params, req.priority)
+        if req.stream:
+            handed_off = True
+            return sse.sse_response(flight.guard(_chat_stream(state, req, request_id, prompt, flight.streams)))
+        (res,) = await flight.collect()
+    finally:
+        if not handed_off:
+            await flight.close()
+    choices = []
+    for o in res.outputs:
+        choice = {"index": o.index, "message": {"role": "assistant", "content": o.text},
+                  "logprobs": (chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
+                               if o.logprobs is not None else None),
+                  "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = o.token_ids
+        choices.append(choice)
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": usage(len(prompt), sum(len(o.token_ids) for o in res.outputs),
+                                              res.num_cached_tokens),
+            "system_fingerprint": None}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompt
+    return jsonify(body)
+
+
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
+                       streams: list) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    include_usage, continuous = _usage_options(req)
+    total = _Usage([prompt])
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": state.model_name, "choices": choices, "system_fingerprint": None, **extra}
+        if include_usage:
+            body["usage"] = total.body() if continuous else None
+        return sse.event(body)
+
+    try:
+        # The role comes first, before any token, as OpenAI sends it.
+        for index in range(req.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}],
+                        **({"prompt_token_ids": prompt} if req.return_token_ids and index == 0 else {}))
+        async for i, delta in merged(streams):
+            total.add(i, delta)
+            for o in delta.outputs:
+                choice = {"index": o.index, "delta": {"content": o.text} if o.text or not o.finish_reason else {},
+                          "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if o.logprobs is not None:
+                    choice["logprobs"] = chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
+                if req.return_token_ids:
+                    choice["token_ids"] = o.token_ids
+                yield chunk([choice])
+        if include_usage:
+            yield sse.event({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": state.model_name, "choices": [], "usage": total.body()})
+    except Exception as e:
+        yield sse.event(error_event(e, "openai"))
+    yield sse.DONE
+
+
+# ---- models, tokenize, detokenize -----------------------------------------------------------------
+async def models(state: ServerState) -> Response:
+    """The served model."""
+    return jsonify({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+        "root": state.model_name, "parent": None, "max_model_len": state.max_model_len, "permission": [],
+    }]})
+
+
+async def tokenize(state: ServerState) -> Response:
+    """Token ids of a prompt or of a rendered chat (vLLM's /tokenize)."""
+    req = await parse(TokenizeRequest)
+    check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise ApiError(400, "messages: must not be empty", "messages")
+        ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs)
+    else:
+        ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                            "token_strs": None}
+    if req.return_token_strs:
+        body["token_strs"] = state.tokenizer.hf.convert_ids_to_tokens(ids)
+    return jsonify(body)
+
+
+async def detokenize(state: ServerState) -> Response:
+    """Text of token ids (vLLM's /detokenize)."""
+    req = await parse(DetokenizeRequest)
+    check_model(state, req.model)
+    bad = next((t for t in req.tokens if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+    return jsonify({"prompt": state.tokenizer.decode(req.tokens)})
+
+
+def register(app: Quart, state: ServerState) -> None:
+    for prefix in ("/v1", "/v3"):
+        route(app, state, f"{prefix}/completions", completions, "POST", CompletionRequest)
+        route(app, state, f"{prefix}/chat/completions", chat_completions, "POST", ChatCompletionRequest)
+    route(app, state, "/v1/models", models, "GET")
+    route(app, state, "/tokenize", tokenize, "POST", TokenizeRequest)
+    route(app, state, "/detokenize", detokenize, "POST", DetokenizeRequest)

@@ -1,0 +1,257 @@
+"""SGLang's native API: POST /generate (text or input_ids, single or batch, cumulative-text
+streaming) and POST /abort_request. Shapes follow SGLang's http_server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from pydantic import BaseModel, ConfigDict
+from quart import Quart, Response, jsonify
+
+from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server import sse
+from jaxserve.server.errors import ApiError, error_event, not_supported
+from jaxserve.server.generation import EngineStream, ServerState, merged, new_id, route, token_text
+from jaxserve.server.openai import parse
+
+
+class SGLangSamplingParams(BaseModel):
+    # Unknown keys are refused: SGLang itself fails on them, and a typo must not pass silently.
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    image_data: Any = None
+    input_embeds: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    priority: int | None = None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    rid: str = ""
+    abort_all: bool = False
+
+
+def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
+    for name in ("regex", "json_schema", "ebnf", "structural_tag"):
+        if getattr(sp, name) is not None:
+            raise not_supported(f"sampling_params.{name}", "structured output")
+    try:
+        bias = {int(k): v for k, v in sp.logit_bias.items()} if sp.logit_bias else None
+    except ValueError:
+        raise ApiError(400, "sampling_params.logit_bias: keys must be token ids", "logit_bias") from None
+    return SamplingParams(
+        n=sp.n, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
+        stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
+        stop_token_ids=list(sp.stop_token_ids or []),
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        repetition_penalty=sp.repetition_penalty, ignore_eos=sp.ignore_eos,
+        skip_special_tokens=sp.skip_special_tokens, spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        include_stop_str_in_output=sp.no_stop_trim, seed=sp.sampling_seed, logit_bias=bias,
+        logprobs=(req.top_logprobs_num if req.return_logprob else None),
+    )
+
+
+def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the request was a batch."""
+    for name in ("image_data", "input_embeds", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
+        if getattr(req, name) is not None:
+            raise not_supported(name, name)
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", "text")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts = [state.tokenizer.encode(t) for t in (req.text if batch else [req.text])]  # type: ignore[union-attr]
+    else:
+        ids = req.input_ids or []
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = [list(p) for p in ids] if batch else [list(ids)]  # type: ignore[arg-type]
+    if not prompts or any(not p for p in prompts):
+        param = "text" if req.text is not None else "input_ids"
+        raise ApiError(400, f"{param}: the prompt must not be empty", param)
+    return prompts, batch
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ApiError(400, f"{name}: a list needs one entry per prompt ({count}), got {len(value)}", name)
+        return value
+    return [value] * count
+
+
+async def generate(state: ServerState) -> Response:
+    """SGLang's native generate: text or input_ids, single or batch, cumulative-text streaming."""
+    req = await parse(GenerateRequest)
+    prompts, batch = _inputs(state, req)
+    if req.return_logprob and req.logprob_start_len != -1:
+        raise not_supported("logprob_start_len", "prompt (input) logprobs")
+    sps = _per_prompt(req.sampling_params or SGLangSamplingParams(), len(prompts), "sampling_params")
+    if not batch and isinstance(req.rid, list):
+        raise ApiError(400, "rid: a single prompt takes a single rid", "rid")
+    if batch and isinstance(req.rid, str):
+        raise ApiError(400, "rid: a batch takes a list of rids, one per prompt", "rid")
+    rids = _per_prompt(req.rid, len(prompts), "rid")
+    params = [_params(sp, req) for sp in sps]
+    flight = state.flight()
+    handed_off = False
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            await flight.submit(rids[i] or new_id("gen"), ids, p, req.priority or 0)
+        if req.stream:
+            handed_off = True
+            return sse.sse_response(flight.guard(_stream(state, req, prompts, params, flight.streams, batch)))
+        results = await flight.collect()
+    finally:
+        if not handed_off:
+            await flight.close()
+    items = [_item(state, req, res, o, p, stream) for res, p, stream in zip(results, params, flight.streams)
+             for o in res.outputs]
+    return jsonify(items if batch or len(items) > 1 else items[0])
+
+
+def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: CompletionOutput,
+          params: SamplingParams, stream: EngineStream, index: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": res.request_id, "finish_reason": _finish(out, params),
+        "prompt_tokens": len(res.prompt_token_ids), "completion_tokens": len(out.token_ids),
+        "cached_tokens": res.num_cached_tokens, "e2e_latency": time.monotonic() - stream.start,
+    }
+    if req.return_logprob:
+        meta |= _logprobs(state, req, out.logprobs or [])
+    item = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
+    if index is not None:
+        item["index"] = index
+    return item
+
+
+def _finish(out: CompletionOutput, params: SamplingParams) -> dict[str, Any] | None:
+    reason = out.finish_reason
+    if reason is None:
+        return None
+    if reason == "stop":  # SGLang names what matched: a stop string, or a token id (EOS included)
+        matched = out.stop_reason if out.stop_reason is not None else (out.token_ids[-1] if out.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    if reason == "length":
+        return {"type": "length", "length": params.max_tokens if params.max_tokens is not None else len(out.token_ids)}
+    return {"type": "abort", "message": str(out.stop_reason or "aborted")}
+
+
+def _logprobs(state: ServerState, req: GenerateRequest, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> list[Any]:
+        return [logprob, token_id, token_text(state.tokenizer, token_id) if req.return_text_in_logprobs else None]
+
+    # Prompt logprobs are not computed yet (logprob_start_len other than -1 is refused), so the
+    # input lists are empty.
+    meta: dict[str, Any] = {"input_token_logprobs": [],
+                            "output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps]}
+    if req.top_logprobs_num > 0:
+        meta |= {"input_top_logprobs": [], "output_top_logprobs": [[entry(i, v) for i, v in lp.top] for lp in lps]}
+    return meta
+
+
+async def _stream(state: ServerState, req: GenerateRequest, prompts: list[list[int]], params: list[SamplingParams],
+                  streams: list[EngineStream], batch: bool) -> AsyncIterator[bytes]:
+    """SGLang streams the cumulative text (and output ids) of one output per event."""
+    totals: dict[tuple[int, int], CompletionOutput] = {}
+    n = max(p.n for p in params)
+    try:
+        async for i, delta in merged(streams):
+            for o in delta.outputs:
+                acc = totals.setdefault((i, o.index), CompletionOutput(o.index, "", []))
+                acc.text += o.text
+                acc.token_ids = acc.token_ids + o.token_ids
+                if o.logprobs is not None:
+                    acc.logprobs = (acc.logprobs or []) + o.logprobs
+                acc.finish_reason, acc.stop_reason = o.finish_reason, o.stop_reason
+                index = i * n + o.index if batch or n > 1 else None
+                yield sse.event(_item(state, req, delta, acc, params[i], streams[i], index))
+    except Exception as e:
+        yield sse.event(error_event(e, "sglang"))
+    yield sse.DONE
+
+
+async def abort_request(state: ServerState) -> Response:
+    """Abort one request by rid, or all of them."""
+    req = await parse(AbortRequest)
+    if req.abort_all:
+        for request_id in _running_ids(state):
+            state.engine.abort(request_id)
+    elif req.rid:
+        state.engine.abort(req.rid)
+    else:
+        raise ApiError(400, "give rid or abort_all", "rid")
+    return Response("", status=200)
+
+
+async def get_model_info(state: ServerState) -> Response:
+    """SGLang's model info (clients read is_generation and the model path)."""
+    return jsonify({"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": True,
+                    "max_model_len": state.max_model_len})
+
+
+async def health_generate(state: ServerState) -> Response:
+    """SGLang's deep health check: generate one token."""
+    flight = state.flight()
+    try:
+        await flight.submit(new_id("health"), state.tokenizer.encode("ping"), SamplingParams(max_tokens=1))
+        await flight.collect()
+    finally:
+        await flight.close()
+    return Response("", status=200)
+
+
+def _running_ids(state: ServerState) -> list[str]:
+    # The engine thread may add or remove requests while we copy the ids; retry until a copy holds.
+    for _ in range(100):
+        try:
+            return list(state.engine.engine.requests)
+        except RuntimeError:
+            continue
+    return []
+
+
+def register(app: Quart, state: ServerState) -> None:
+    route(app, state, "/generate", generate, "POST", GenerateRequest)
+    route(app, state, "/abort_request", abort_request, "POST", AbortRequest)
+    route(app, state, "/get_model_info", get_model_info, "GET")
+    route(app, state, "/health_generate", health_generate, "GET")

@@ -1,0 +1,191 @@
+"""Triton's generate extension: POST /v2/models/{name}[/versions/{v}]/generate and
+generate_stream. Parameters may sit in "parameters" (vLLM backend) or at the top level
+(TensorRT-LLM ensemble); unknown ones are refused."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from pydantic import BaseModel, ConfigDict
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server import sse
+from jaxserve.server.errors import ApiError, error_event
+from jaxserve.server.generation import ServerState, bad_words_ids, new_id, route
+
+VERSION = "1"
+
+# Triton parameter -> (SamplingParams field, accepted JSON types)
+_NUMBERS = (int, float)
+_PARAMS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "max_tokens": ("max_tokens", (int,)),
+    "min_tokens": ("min_tokens", (int,)),
+    "temperature": ("temperature", _NUMBERS),
+    "top_p": ("top_p", _NUMBERS),
+    "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", _NUMBERS),
+    "seed": ("seed", (int,)),
+    "random_seed": ("seed", (int,)),
+    "frequency_penalty": ("frequency_penalty", _NUMBERS),
+    "presence_penalty": ("presence_penalty", _NUMBERS),
+    "repetition_penalty": ("repetition_penalty", _NUMBERS),
+    "ignore_eos": ("ignore_eos", (bool,)),
+    "n": ("n", (int,)),
+    "best_of": ("best_of", (int,)),
+    "skip_special_tokens": ("skip_special_tokens", (bool,)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+}
+_ACCEPTED = set(_PARAMS) | {"stop", "stop_words", "bad_words", "stream", "exclude_input_in_output", "end_id"}
+_TOP_LEVEL = {"id", "text_input", "parameters"}
+
+
+class GenerateRequest(BaseModel):
+    """The documented shape (for /openapi.json); bodies are checked by `_parse`, which also takes
+    TensorRT-LLM's top-level parameters."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    text_input: str
+    parameters: dict[str, Any] = {}
+
+
+def _check_model(state: ServerState, name: str, version: str | None) -> None:
+    if name != state.model_name:
+        raise ApiError(404, f"unknown model '{name}'; this server serves '{state.model_name}'", "model")
+    if version is not None and version != VERSION:
+        raise ApiError(404, f"unknown version '{version}' of model '{name}'; available: {VERSION}", "version")
+
+
+def _words(value: Any, name: str) -> list[str]:
+    # TensorRT-LLM sends "" for none and a comma-free string or a list for some.
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [v for v in value if v]
+    raise ApiError(400, f"{name}: expected a string or a list of strings", name)
+
+
+def _request_params(body: dict[str, Any]) -> dict[str, Any]:
+    params = body.get("parameters", {})
+    if not isinstance(params, dict):
+        raise ApiError(400, "parameters: expected an object", "parameters")
+    merged = {k: v for k, v in body.items() if k not in _TOP_LEVEL}
+    merged.update(params)
+    unknown = sorted(set(merged) - _ACCEPTED)
+    if unknown:
+        raise ApiError(400, f"unknown parameter(s) {unknown}; accepted: {sorted(_ACCEPTED)}", unknown[0])
+    return merged
+
+
+def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
+    fields: dict[str, Any] = {}
+    for name, value in params.items():
+        if name not in _PARAMS:
+            continue
+        field, types = _PARAMS[name]
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise ApiError(400, f"{name}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}", name)
+        fields[field] = value
+    stop = _words(params.get("stop"), "stop") + _words(params.get("stop_words"), "stop_words")
+    bad = _words(params.get("bad_words"), "bad_words")
+    return SamplingParams(**fields, stop=stop, bad_words_ids=bad_words_ids(state.tokenizer, bad) if bad else None)
+
+
+async def _parse(state: ServerState, name: str, version: str | None) -> tuple[dict[str, Any], SamplingParams, dict]:
+    _check_model(state, name, version)
+    try:
+        body = json.loads(await request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    text = body.get("text_input")
+    if not isinstance(text, str) or not text:
+        raise ApiError(400, "text_input: a non-empty string is required", "text_input")
+    if "id" in body and not isinstance(body["id"], str):
+        raise ApiError(400, "id: expected a string", "id")
+    params = _request_params(body)
+    for flag in ("stream", "exclude_input_in_output"):
+        if flag in params and not isinstance(params[flag], bool):
+            raise ApiError(400, f"{flag}: expected a boolean", flag)
+    return body, _sampling(state, params), params
+
+
+def _response(state: ServerState, body: dict[str, Any], text: str) -> dict[str, Any]:
+    out = {"model_name": state.model_name, "model_version": VERSION, "text_output": text}
+    return ({"id": body["id"]} | out) if "id" in body else out
+
+
+async def generate(state: ServerState, name: str, version: str | None = None) -> Response:
+    """Triton generate extension: {"id", "text_input", "parameters"} -> {"text_output", ...}."""
+    body, params, raw = await _parse(state, name, version)
+    prompt = body["text_input"]
+    flight = state.flight()
+    try:
+        await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
+        (res,) = await flight.collect()
+    finally:
+        await flight.close()
+    # The vLLM backend returns the prompt followed by the completion unless told otherwise.
+    prefix = "" if raw.get("exclude_input_in_output", False) else prompt
+    texts = [prefix + o.text for o in res.outputs]
+    return jsonify(_response(state, body, texts[0] if len(texts) == 1 else texts))
+
+
+async def generate_stream(state: ServerState, name: str, version: str | None = None) -> Response:
+    """Triton generate extension, one SSE event per increment (no [DONE])."""
+    body, params, raw = await _parse(state, name, version)
+    prompt = body["text_input"]
+    flight = state.flight()
+    try:
+        stream = await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
+    except BaseException:
+        await flight.close()
+        raise
+    prefix = "" if raw.get("exclude_input_in_output", False) else prompt
+
+    async def events() -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for delta in stream:
+                for o in delta.outputs:
+                    text = (prefix if first else "") + o.text
+                    first = False
+                    yield sse.event(_response(state, body, text))
+        except Exception as e:  # Triton has no [DONE]: the error event ends the stream
+            yield sse.event(error_event(e, "triton"))
+
+    return sse.sse_response(flight.guard(events()))
+
+
+async def server_ready(state: ServerState) -> Response:
+    """KServe v2 readiness (Triton clients check it before generating)."""
+    return Response("", status=503 if state.draining or state.engine.error is not None else 200)
+
+
+async def model_metadata(state: ServerState, name: str, version: str | None = None) -> Response:
+    """KServe v2 model metadata: the generate extension's inputs and outputs."""
+    _check_model(state, name, version)
+    return jsonify({"name": state.model_name, "versions": [VERSION], "platform": "jaxserve",
+                    "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+                    "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
+
+
+async def model_ready(state: ServerState, name: str, version: str | None = None) -> Response:
+    """KServe v2 model readiness."""
+    _check_model(state, name, version)
+    return await server_ready(state)
+
+
+def register(app: Quart, state: ServerState) -> None:
+    route(app, state, "/v2/health/ready", server_ready, "GET")
+    route(app, state, "/v2/health/live", server_ready, "GET")
+    for suffix in ("", "/versions/<version>"):
+        route(app, state, f"/v2/models/<name>{suffix}", model_metadata, "GET")
+        route(app, state, f"/v2/models/<name>{suffix}/ready", model_ready, "GET")
+        route(app, state, f"/v2/models/<name>{suffix}/generate", generate, "POST", GenerateRequest)
+        route(app, state, f"/v2/models/<name>{suffix}/generate_stream", generate_stream, "POST", GenerateRequest)

@@ -1,0 +1,108 @@
+"""The HTTP layer without a model (fast): a scripted engine that fails mid-stream shows each
+protocol's error event and framing; a failure before the first token is a clean status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.output import CompletionOutput, RequestOutput
+from jaxserve.engine.request import RequestTooLongError, SamplingParams
+from jaxserve.server.app import create_app
+
+
+class FakeTokenizer:
+    vocab_size = 256
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages))
+
+    def decode(self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+class FailingEngine:
+    """Yields one delta, then the device "fails"; refuses max_tokens over 100 up front."""
+
+    error = None
+
+    def __init__(self) -> None:
+        alloc = types.SimpleNamespace(num_used_pages=0, num_usable_pages=8, prefix_cache_hit_rate=0.0)
+        sched = types.SimpleNamespace(num_running=0, num_waiting=0)
+        self.engine = types.SimpleNamespace(allocator=alloc, scheduler=sched, num_preemptions=0, vocab_size=256,
+                                            requests={})
+        self.aborted: list[str] = []
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
+        if params.max_tokens is not None and params.max_tokens > 100:
+            raise RequestTooLongError("max_tokens", f"prompt has {len(prompt_ids)} tokens and max_tokens is "
+                                      f"{params.max_tokens}: over the context limit of 100 tokens")
+        return self._deltas(request_id, prompt_ids)
+
+    async def _deltas(self, request_id: str, prompt_ids: list[int]):
+        yield RequestOutput(request_id, prompt_ids, [CompletionOutput(0, "Hi", [72, 105])], False)
+        raise EngineDeadError("the engine stopped: device lost")
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _post(path: str, body: dict) -> tuple[int, bytes, FailingEngine]:
+    engine = FailingEngine()
+    app = create_app(engine, FakeTokenizer(), "fake", 100)  # type: ignore[arg-type]
+
+    async def go() -> tuple[int, bytes]:
+        response = await app.test_client().post(path, json=body)
+        return response.status_code, await response.get_data()
+
+    status, data = asyncio.run(go())
+    return status, data, engine
+
+
+def _events(data: bytes) -> list:
+    blocks = data.decode().split("\n\n")
+    assert blocks[-1] == ""
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in blocks[:-1]]
+
+
+def test_openai_stream_error_event_then_done():
+    status, data, engine = _post("/v1/completions", {"prompt": "x", "stream": True})
+    events = _events(data)
+    assert status == 200 and events[0]["choices"][0]["text"] == "Hi"
+    assert events[1]["error"]["type"] == "service_unavailable" and "device lost" in events[1]["error"]["message"]
+    assert events[2] == "[DONE]"
+    assert engine.aborted  # the request is released in the engine
+
+
+def test_chat_and_sglang_stream_error_events():
+    _, data, _ = _post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})
+    events = _events(data)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    _, data, _ = _post("/generate", {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 8}})
+    events = _events(data)
+    assert events[0]["text"] == "Hi" and "device lost" in events[1]["error"]["message"] and events[2] == "[DONE]"
+
+
+def test_triton_stream_error_event_without_done():
+    _, data, _ = _post("/v2/models/fake/generate_stream", {"text_input": "x"})
+    events = _events(data)
+    assert events[0]["text_output"] == "xHi"  # the prompt first, as the vLLM backend sends it
+    assert "device lost" in events[1]["error"] and len(events) == 2
+
+
+def test_failure_before_streaming_is_a_status():
+    status, data, _ = _post("/v1/completions", {"prompt": "x", "max_tokens": 101, "stream": True})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "max_tokens" and "context limit of 100" in err["message"]
+    status, data, _ = _post("/v1/completions", {"prompt": "x"})
+    assert status == 503 and "device lost" in json.loads(data)["error"]["message"]
+    status, data, _ = _post("/v2/models/fake/generate", {"text_input": "x"})
+    assert status == 503 and "device lost" in json.loads(data)["error"]

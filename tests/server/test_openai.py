@@ -1,0 +1,188 @@
+"""The OpenAI routes on the live server, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from live_server import MODEL
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def test_completion_greedy(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    (choice,) = r.choices
+    assert choice.text.startswith(" Paris.")
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 8, 13)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_stream_equals_non_stream_and_usage(client):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_batch_of_prompts_n2_and_token_ids(client, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("1, 2, 3,")
+    r = client.completions.create(model=MODEL, prompt=[ids, smollm2_tokenizer.encode("Hello")], n=2, max_tokens=4,
+                                  temperature=1.0, seed=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    first = [c for c in r.choices if c.index < 2]
+    assert all(c.prompt_token_ids == ids and len(c.token_ids) == 4 for c in first)
+    assert r.usage.completion_tokens == 16
+
+
+def test_completion_logprobs_legacy_shape(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 3 <= len(top) <= 4 and top[tok] == pytest.approx(value)
+        assert max(top.values()) == pytest.approx(value)  # greedy picks the most likely token
+
+
+def test_completion_echo_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                  stop=["answer"], echo=True)
+    c = r.choices[0]
+    assert c.text == "The capital of France is Paris.\n\nThe "
+    assert c.finish_reason == "stop" and c.stop_reason == "answer"
+    kept = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                     stop=["answer"], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == " Paris.\n\nThe answer"
+
+
+def test_seed_reproducibility(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kwargs).choices[0].text
+    b = client.completions.create(seed=1234, **kwargs).choices[0].text
+    c = client.completions.create(seed=99, **kwargs).choices[0].text
+    assert a == b != c
+
+
+def test_chat_non_stream_and_stream(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert (msg.role, msg.content) == ("assistant", "The answer to this classic math problem is 4.")
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == r.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 16  # the same prompt again: full pages from the cache
+
+
+def test_chat_n2_logprobs_and_content_parts(client):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=5, temperature=1.0, seed=5,
+                                       logprobs=True, top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert len(content) == len(c.message.content and content) and len(content) >= 1
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and t.bytes == list(t.token.encode())
+                   for t in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=3, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role) == [0, 1]
+
+
+def test_chat_template_kwargs_and_return_token_ids(server, smollm2_tokenizer):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+            "add_generation_prompt": False, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert r["prompt_token_ids"] == smollm2_tokenizer.encode("What is 2 + 2?", add_special_tokens=False)
+    assert len(r["choices"][0]["token_ids"]) == r["usage"]["completion_tokens"]
+
+
+def test_v3_routes_models_health(server):
+    r = httpx.post(server.url + "/v3/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list"
+    (m,) = models["data"]
+    assert (m["id"], m["object"], m["owned_by"], m["max_model_len"]) == (MODEL, "model", "jaxserve", 512)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_tokenize_detokenize(server, smollm2_tokenizer):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] == smollm2_tokenizer.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == smollm2_tokenizer.encode_chat(CHAT)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+
+
+def test_metrics_move(server, client):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = scrape()
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] == 3
+    assert after["jaxserve:prompt_tokens_total"] > before["jaxserve:prompt_tokens_total"]
+    key = 'jaxserve:request_success_total{finished_reason="length"}'
+    assert after[key] - before.get(key, 0) == 1
+    ttft = "jaxserve:time_to_first_token_seconds_count"
+    assert after[ttft] == before[ttft] + 1
+    assert after["jaxserve:e2e_request_latency_seconds_count"] > 0
+    assert "jaxserve:num_requests_running" in after and "jaxserve:kv_cache_usage_perc" in after
+
+
+def test_vllm_sampling_extras(client, smollm2_tokenizer):
+    bang = smollm2_tokenizer.encode("!", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  logit_bias={str(bang): 100})
+    assert r.choices[0].text == "!!!"
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].text
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0.7, top_p=0.9, seed=1, user="u", presence_penalty=0.5,
+        frequency_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 2, "repetition_penalty": 1.1,
+                                           "skip_special_tokens": False, "spaces_between_special_tokens": False,
+                                           "stop_token_ids": [smollm2_tokenizer.eos_token_id]})
+    assert 2 <= r.usage.completion_tokens <= 4
+
+
+def test_openai_docs_function_calling_request(client):
+    # OpenAI's function-calling example: tools reach the chat template; tool-call parsing is not done
+    # yet, so the model's text comes back as content.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a given location",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}]
+    messages = [{"role": "developer", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What's the weather like in Boston today?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=4)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 4
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3 and all(c.usage.prompt_tokens > 0 for c in chunks)
