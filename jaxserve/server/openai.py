@@ -57,7 +57,7 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
         logit_bias=logit_bias, seed=req.seed, ignore_eos=req.ignore_eos, stop=stop,
         stop_token_ids=list(req.stop_token_ids or []), include_stop_str_in_output=req.include_stop_str_in_output,
         bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
 
@@ -69,8 +69,6 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     fmt = req.response_format
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise not_supported("response_format", "structured output")
-    if req.prompt_logprobs is not None:
-        raise not_supported("prompt_logprobs", "prompt logprobs")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
@@ -107,6 +105,34 @@ class _Usage:
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
+def legacy_prompt_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob | None]) -> dict[str, Any]:
+    """The echoed prompt's part of OpenAI's completions logprobs: the first token has none."""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    for tid, lp in zip(ids, lps):
+        text = token_text(state.tokenizer, tid)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob if lp else None)
+        top.append(({token_text(state.tokenizer, i): v for i, v in lp.top} | {text: lp.logprob}) if lp else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    if first is None or second is None:
+        return first or second
+    return {k: first[k] + second[k] for k in first}
+
+
+def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token {token id: {logprob, decoded_token}}."""
+    def entries(lp: TokenLogprob) -> dict[str, Any]:
+        pairs = [(lp.token_id, lp.logprob)] + [(i, v) for i, v in lp.top if i != lp.token_id]
+        return {str(i): {"logprob": v, "decoded_token": token_text(state.tokenizer, i)} for i, v in pairs}
+
+    return [entries(lp) if lp else None for lp in lps]
+
+
 def legacy_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """OpenAI's completions shape: parallel lists, top alternatives as {token text: logprob}."""
     tokens, token_logprobs, top, offsets = [], [], [], []
@@ -157,10 +183,10 @@ async def completions(state: ServerState) -> Response:
     check_model(state, req.model)
     if req.suffix is not None:
         raise not_supported("suffix", "suffix (insertion)")
-    if req.echo and req.logprobs is not None:
-        raise not_supported("echo", "echo with logprobs (it needs prompt logprobs)")
     prompts = completion_prompts(state, req)
     params = sampling_params(state, req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
     request_id = new_id("cmpl")
     flight = state.flight()
     handed_off = False
@@ -180,9 +206,13 @@ async def completions(state: ServerState) -> Response:
         total.add(i, res)
         echo = state.tokenizer.decode(ids) if req.echo else ""
         for o in res.outputs:
-            choice = {"index": i * req.n + o.index, "text": echo + o.text,
-                      "logprobs": legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None,
+            logprobs = legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None
+            if req.echo and logprobs is not None and res.prompt_logprobs is not None:
+                logprobs = join_logprobs(legacy_prompt_logprobs(state, ids, res.prompt_logprobs), logprobs)
+            choice = {"index": i * req.n + o.index, "text": echo + o.text, "logprobs": logprobs,
                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state, res.prompt_logprobs)
             if req.return_token_ids:
                 choice |= {"prompt_token_ids": ids, "token_ids": o.token_ids}
             choices.append(choice)
@@ -197,6 +227,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
     include_usage, continuous = _usage_options(req)
     total = _Usage(prompts)
     offsets: dict[int, int] = {}
+    prompt_lps: dict[int, list[TokenLogprob | None]] = {}  # the engine sends them with the first delta
 
     def chunk(choices: list[dict[str, Any]]) -> bytes:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
@@ -208,6 +239,8 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
     try:
         async for i, delta in merged(streams):
             total.add(i, delta)
+            if delta.prompt_logprobs is not None:
+                prompt_lps[i] = delta.prompt_logprobs
             for o in delta.outputs:
                 index = i * req.n + o.index
                 first = index not in offsets
@@ -219,6 +252,11 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
                 if o.logprobs is not None:
                     choice["logprobs"] = legacy_logprobs(state, o.logprobs, offsets[index])
                     offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                    if first and req.echo and i in prompt_lps:
+                        choice["logprobs"] = join_logprobs(legacy_prompt_logprobs(state, prompts[i], prompt_lps[i]),
+                                                           choice["logprobs"])
+                if first and req.prompt_logprobs is not None and i in prompt_lps:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_lps[i])
                 if req.return_token_ids:
                     choice["token_ids"] = o.token_ids
                     if first:
@@ -298,6 +336,8 @@ async def chat_completions(state: ServerState) -> Response:
             "system_fingerprint": None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
+    if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(state, res.prompt_logprobs)  # vLLM: top level for chat
     return jsonify(body)
 
 

@@ -88,7 +88,14 @@ def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
         skip_special_tokens=sp.skip_special_tokens, spaces_between_special_tokens=sp.spaces_between_special_tokens,
         include_stop_str_in_output=sp.no_stop_trim, seed=sp.sampling_seed, logit_bias=bias,
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
+        prompt_logprobs=(req.top_logprobs_num if wants_input_logprobs(req) else None),
+        prompt_logprobs_start=max(req.logprob_start_len, 0),
     )
+
+
+def wants_input_logprobs(req: GenerateRequest) -> bool:
+    """SGLang reports input logprobs from logprob_start_len on; -1 means none."""
+    return req.return_logprob and req.logprob_start_len >= 0
 
 
 def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -123,8 +130,9 @@ async def generate(state: ServerState) -> Response:
     """SGLang's native generate: text or input_ids, single or batch, cumulative-text streaming."""
     req = await parse(GenerateRequest)
     prompts, batch = _inputs(state, req)
-    if req.return_logprob and req.logprob_start_len != -1:
-        raise not_supported("logprob_start_len", "prompt (input) logprobs")
+    if req.logprob_start_len < -1:
+        raise ApiError(400, f"logprob_start_len: must be -1 (none) or >= 0, got {req.logprob_start_len}",
+                       "logprob_start_len")
     sps = _per_prompt(req.sampling_params or SGLangSamplingParams(), len(prompts), "sampling_params")
     if not batch and isinstance(req.rid, list):
         raise ApiError(400, "rid: a single prompt takes a single rid", "rid")
@@ -150,14 +158,16 @@ async def generate(state: ServerState) -> Response:
 
 
 def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: CompletionOutput,
-          params: SamplingParams, stream: EngineStream, index: int | None = None) -> dict[str, Any]:
+          params: SamplingParams, stream: EngineStream, index: int | None = None,
+          prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
+    prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else res.prompt_logprobs
     meta: dict[str, Any] = {
         "id": res.request_id, "finish_reason": _finish(out, params),
         "prompt_tokens": len(res.prompt_token_ids), "completion_tokens": len(out.token_ids),
         "cached_tokens": res.num_cached_tokens, "e2e_latency": time.monotonic() - stream.start,
     }
     if req.return_logprob:
-        meta |= _logprobs(state, req, out.logprobs or [])
+        meta |= _logprobs(state, req, out.logprobs or [], res.prompt_token_ids, prompt_logprobs)
     item = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
     if index is not None:
         item["index"] = index
@@ -176,16 +186,21 @@ def _finish(out: CompletionOutput, params: SamplingParams) -> dict[str, Any] | N
     return {"type": "abort", "message": str(out.stop_reason or "aborted")}
 
 
-def _logprobs(state: ServerState, req: GenerateRequest, lps: list[TokenLogprob]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> list[Any]:
+def _logprobs(state: ServerState, req: GenerateRequest, lps: list[TokenLogprob], prompt_ids: list[int],
+              prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float | None) -> list[Any]:
         return [logprob, token_id, token_text(state.tokenizer, token_id) if req.return_text_in_logprobs else None]
 
-    # Prompt logprobs are not computed yet (logprob_start_len other than -1 is refused), so the
-    # input lists are empty.
-    meta: dict[str, Any] = {"input_token_logprobs": [],
-                            "output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps]}
+    # Input logprobs from logprob_start_len on; the first prompt token has none (nothing precedes it).
+    positions = range(req.logprob_start_len, len(prompt_ids)) if wants_input_logprobs(req) and prompt_lps else []
+    inputs = [prompt_lps[p] for p in positions]
+    meta: dict[str, Any] = {
+        "input_token_logprobs": [entry(prompt_ids[p], lp.logprob if lp else None) for p, lp in zip(positions, inputs)],
+        "output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps],
+    }
     if req.top_logprobs_num > 0:
-        meta |= {"input_top_logprobs": [], "output_top_logprobs": [[entry(i, v) for i, v in lp.top] for lp in lps]}
+        meta |= {"input_top_logprobs": [[entry(i, v) for i, v in lp.top] if lp else None for lp in inputs],
+                 "output_top_logprobs": [[entry(i, v) for i, v in lp.top] for lp in lps]}
     return meta
 
 
@@ -193,9 +208,12 @@ async def _stream(state: ServerState, req: GenerateRequest, prompts: list[list[i
                   streams: list[EngineStream], batch: bool) -> AsyncIterator[bytes]:
     """SGLang streams the cumulative text (and output ids) of one output per event."""
     totals: dict[tuple[int, int], CompletionOutput] = {}
+    prompt_lps: dict[int, list[TokenLogprob | None]] = {}  # sent by the engine with the first delta only
     n = max(p.n for p in params)
     try:
         async for i, delta in merged(streams):
+            if delta.prompt_logprobs is not None:
+                prompt_lps[i] = delta.prompt_logprobs
             for o in delta.outputs:
                 acc = totals.setdefault((i, o.index), CompletionOutput(o.index, "", []))
                 acc.text += o.text
@@ -204,7 +222,7 @@ async def _stream(state: ServerState, req: GenerateRequest, prompts: list[list[i
                     acc.logprobs = (acc.logprobs or []) + o.logprobs
                 acc.finish_reason, acc.stop_reason = o.finish_reason, o.stop_reason
                 index = i * n + o.index if batch or n > 1 else None
-                yield sse.event(_item(state, req, delta, acc, params[i], streams[i], index))
+                yield sse.event(_item(state, req, delta, acc, params[i], streams[i], index, prompt_lps.get(i)))
     except Exception as e:
         yield sse.event(error_event(e, "sglang"))
     yield sse.DONE

@@ -30,7 +30,6 @@ BAD = [
     ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [10**7]}, 400, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
-    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}, 400, "echo", "not supported yet"),
     ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "object"}}, 400, "guided_json", "structured output"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "n": 1, "best_of": 2}, 400, "best_of", "streaming"),
     ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model", "does not exist"),

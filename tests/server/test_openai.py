@@ -186,3 +186,31 @@ def test_continuous_usage_stats(client):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 3 and all(c.usage.prompt_tokens > 0 for c in chunks)
+
+
+def test_completion_echo_with_logprobs_covers_the_prompt(client, smollm2_tokenizer):
+    """echo + logprobs: the prompt's tokens get logprobs too (the first one has none)."""
+    prompt = "The capital of France is"
+    n_prompt = len(smollm2_tokenizer.encode(prompt))
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    c = client.completions.create(**kwargs).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 3
+    assert "".join(lp.tokens) == c.text and c.text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n_prompt] == len(prompt)
+    streamed = [ch for ch in client.completions.create(**kwargs, stream=True) if ch.choices]
+    tokens = [t for ch in streamed if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    values = [v for ch in streamed if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert tokens == lp.tokens and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_vllm_prompt_logprobs_field(client, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("One, two, three,")
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for tid, entry in zip(ids[1:], plp[1:]):
+        assert str(tid) in entry and entry[str(tid)]["logprob"] <= 0 and 1 <= len(entry) <= 2

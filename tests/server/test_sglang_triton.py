@@ -141,3 +141,17 @@ def test_triton_errors(server):
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]
     r = _post(server, f"/v2/models/{MODEL}/generate_stream", {"text_input": PROMPT, "parameters": {"max_tokens": 9999}})
     assert r.status_code == 400 and "512" in r.json()["error"]
+
+
+def test_generate_input_logprobs_from_logprob_start_len(server, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("The capital of France is")
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}
+    meta = _post(server, "/generate", body).json()["meta_info"]
+    inputs = meta["input_token_logprobs"]
+    assert [e[1] for e in inputs] == ids and inputs[0][0] is None
+    assert all(e[0] <= 0 for e in inputs[1:]) and inputs[1][2] == smollm2_tokenizer.decode([ids[1]])
+    assert meta["input_top_logprobs"][0] is None and all(len(t) == 2 for t in meta["input_top_logprobs"][1:])
+    later = _post(server, "/generate", {**body, "logprob_start_len": 2}).json()["meta_info"]
+    assert [e[1] for e in later["input_token_logprobs"]] == ids[2:]
+    assert [e[0] for e in later["input_token_logprobs"]] == pytest.approx([e[0] for e in inputs[2:]], abs=1e-5)
