@@ -1,0 +1,26 @@
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams) in prompt order."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine.request import SamplingParams
+from jaxserve.llm import LLM
+from jaxserve.models.reference import greedy_reference
+from tiny_models import make_tiny_model, save_tiny_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def test_generate_returns_outputs_in_prompt_order(tmp_path):
+    make_tiny_model("llama3", tmp_path / "m")
+    save_tiny_tokenizer(tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_pages=32,
+              page_size=4, cache_dir=tmp_path / "cache")
+    prompts = [[1, 5, 9, 13, 17], [1, 2], [1, 100, 101, 102]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    expected = greedy_reference(llm.loaded.loaded.model, prompts, 6)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == prompts
+    text = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(text) == 1 and len(text[0].outputs[0].token_ids) == 3 and text[0].outputs[0].finish_reason == "length"
