@@ -29,13 +29,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
-    import jax
-
-    from jaxserve.config import CacheConfig, SchedulerConfig
-    from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+    from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from jaxserve.engine.engine import Engine, EngineConfig
     from jaxserve.engine.request import SamplingParams
     from jaxserve.startup import load
-    from jaxserve.config import ModelConfig
 
     ready = load(ModelConfig(model=model, served_model_name="bench", dtype=dtype))
     max_c = max(concurrency)
@@ -51,7 +48,7 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
     results = {}
     for c in concurrency:
         for round_ in ("warm-up", "timed"):
-            prompts = _prompts(c, input_len, ready.config.vocab_size, seed=hash((c, round_)) % 2**31)
+            prompts = _prompts(c, input_len, ready.config.vocab_size, seed=2 * c + (round_ == "timed"))
             ids = [f"{round_}-{c}-{i}" for i in range(c)]
             steps_before, t0 = engine.num_steps, time.perf_counter()
             step_times: list[float] = []
@@ -69,7 +66,6 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         # Decode-only iterations are the majority; their median is the per-step figure.
         results[c] = {"output_tokens_per_s": tokens / wall, "wall_s": wall,
                       "median_step_ms": 1000 * statistics.median(step_times), "steps": engine.num_steps - steps_before}
-    del run_to_completion, jax
     return {"compile_s": compile_s, "per_concurrency": results}
 
 
@@ -89,7 +85,7 @@ def run_hf(model: str, dtype: str, concurrency: list[int], input_len: int, outpu
     results = {}
     for c in concurrency:
         for round_ in ("warm-up", "timed"):
-            prompts = torch.tensor(_prompts(c, input_len, hf.config.vocab_size, seed=hash((c, round_)) % 2**31))
+            prompts = torch.tensor(_prompts(c, input_len, hf.config.vocab_size, seed=2 * c + (round_ == "timed")))
             n = 8 if round_ == "warm-up" else output_len
             t0 = time.perf_counter()
             with torch.no_grad():

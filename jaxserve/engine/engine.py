@@ -145,7 +145,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.abort(request_id)
-        outputs = [self._final_delta(req, i, force=True) for i in range(len(req.seqs))]
+        outputs = [self._final_delta(req, i) for i in range(len(req.seqs))]
         return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True,
                              req.seqs[0].num_cached_tokens)
 
@@ -299,9 +299,8 @@ class Engine:
                     outputs.append(d)
         elif finished:
             best = sorted(range(len(req.seqs)), key=lambda i: -req.seqs[i].cumulative_logprob)[: req.params.n]
-            full = [req.texts[i] for i in best]
             for rank, i in enumerate(best):
-                full[rank].emitted = 0
+                req.texts[i].emitted = 0  # nothing was streamed: the chosen samples go out whole
                 d = req.texts[i].delta(req.seqs[i], rank, req.params.logprobs is not None)
                 d.token_ids = req.seqs[i].output_ids
                 outputs.append(d)
@@ -315,7 +314,7 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens,
                              prompt_logprobs)
 
-    def _final_delta(self, req: _Request, i: int, force: bool) -> CompletionOutput | None:
+    def _final_delta(self, req: _Request, i: int) -> CompletionOutput | None:
         seq = req.seqs[i]
         if seq.finish_reason is None:
             seq.finish_reason = FinishReason.ABORT

@@ -305,8 +305,17 @@ async def chat_completions(state: ServerState) -> Response:
         raise not_supported("tool_choice", "forced tool calls")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
-    prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
-                         req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
+    if req.prompt_token_ids is not None:
+        prompt = list(req.prompt_token_ids)
+    elif req.disable_chat_template:
+        prompt = state.tokenizer.encode("".join(m["content"] for m in chat_messages(req.messages)
+                                                if isinstance(m.get("content"), str)))
+        if not prompt:
+            raise ApiError(400, "messages: no text to prompt with (disable_chat_template joins their content)",
+                           "messages")
+    else:
+        prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
+                             req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     request_id = new_id("chatcmpl")
@@ -328,7 +337,8 @@ async def chat_completions(state: ServerState) -> Response:
                                if o.logprobs is not None else None),
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         if req.return_token_ids:
-            choice["token_ids"] = o.token_ids
+            choice["token_ids"] = o.token_ids  # vLLM's place; the message carries both lists too
+            choice["message"] |= {"prompt_token_ids": prompt, "completion_token_ids": o.token_ids}
         choices.append(choice)
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": usage(len(prompt), sum(len(o.token_ids) for o in res.outputs),

@@ -97,6 +97,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Bypass the template: prompt_token_ids are the prompt as given; disable_chat_template
+    # concatenates the messages' text (tokenized as user text: no special tokens from it).
+    disable_chat_template: bool = False
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
 
 
 class TokenizeRequest(_Strict):

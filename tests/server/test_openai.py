@@ -214,3 +214,20 @@ def test_vllm_prompt_logprobs_field(client, smollm2_tokenizer):
     assert len(plp) == len(ids) and plp[0] is None
     for tid, entry in zip(ids[1:], plp[1:]):
         assert str(tid) in entry and entry[str(tid)]["logprob"] <= 0 and 1 <= len(entry) <= 2
+
+
+def test_chat_prompt_token_ids_and_disable_chat_template(client, smollm2_tokenizer):
+    templated = smollm2_tokenizer.encode_chat(CHAT)
+    base = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    message = base.choices[0].message.model_extra
+    assert message["prompt_token_ids"] == templated and message["completion_token_ids"] == base.choices[0].token_ids
+    by_ids = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ignored"}],
+                                            max_tokens=6, temperature=0,
+                                            extra_body={"prompt_token_ids": templated})
+    assert by_ids.choices[0].message.content == base.choices[0].message.content
+    assert by_ids.usage.prompt_tokens == len(templated)
+    raw = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The capital of France is"}],
+                                         max_tokens=3, temperature=0, extra_body={"disable_chat_template": True})
+    assert raw.usage.prompt_tokens == len(smollm2_tokenizer.encode("The capital of France is"))
+    assert raw.choices[0].message.content.startswith(" Paris")
