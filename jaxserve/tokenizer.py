@@ -202,8 +202,7 @@ def load_tokenizer(
             hf = AutoTokenizer.from_pretrained(cached)
             meta = json.loads((cached / _GGUF_META_FILE).read_text())
         else:
-            hf = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-            meta = _gguf_tokenizer_meta(path)
+            hf, meta = _hf_tokenizer_from_gguf(path)
             if cached is not None:
                 hf.save_pretrained(cached)
                 (cached / _GGUF_META_FILE).write_text(json.dumps(meta))
@@ -231,15 +230,39 @@ def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
     return Path(cache_dir).expanduser() / "tokenizers" / key
 
 
-def _gguf_tokenizer_meta(path: Path) -> dict[str, Any]:
+# GGUF general.architecture -> the transformers converter that builds its fast tokenizer.
+_GGUF_TOKENIZER_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _hf_tokenizer_from_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
+    """A fast tokenizer built from a GGUF file's metadata, and its special-token ids + template.
+
+    transformers' own `from_pretrained(gguf_file=...)` imports its GGUF weight loader, which needs
+    PyTorch -- a multi-GB dependency that serving never uses. Only its torch-free converters are
+    used here, fed from gguf-py's reader."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
     from jaxserve.weights.gguf_file import field, open_gguf
 
     reader = open_gguf(path)
-    meta: dict[str, Any] = {"chat_template": field(reader, "tokenizer.chat_template")}
+    arch = field(reader, "general.architecture")
+    if arch not in _GGUF_TOKENIZER_MODELS:
+        raise ValueError(f"{path}: no tokenizer converter for GGUF architecture {arch!r}")
+    wanted = {f"tokenizer.{key}" for renames in GGUF_TOKENIZER_MAPPING.values() for key in renames}
+    metadata = {key: field(reader, key) for key in wanted if key in reader.fields}
+    backend_dict = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+                    if f"tokenizer.{key}" in metadata}
+    backend, extra = convert_gguf_tokenizer(_GGUF_TOKENIZER_MODELS[arch], backend_dict)
+    meta: dict[str, Any] = {"chat_template": metadata.get("tokenizer.chat_template")}
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        value = field(reader, f"tokenizer.ggml.{key}_token_id")
+        value = metadata.get(f"tokenizer.ggml.{key}_token_id")
         meta[role] = None if value is None else int(value)
-    return meta
+    # The converter's own special-token guesses are replaced below from the file's ids.
+    extra = {k: v for k, v in extra.items() if not k.endswith("_token")}
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **extra)
+    hf.chat_template = meta["chat_template"]  # also saved with the converted tokenizer
+    return hf, meta
 
 
 class IncrementalDetokenizer:

@@ -61,3 +61,27 @@ def test_template_helpers(smollm2_tokenizer):
         [{"role": "user", "content": "é"}], chat_template="{{ messages | tojson }}|{{ bos_token }}|{{ eos_token }}"
     )
     assert out == '[{"role": "user", "content": "é"}]|<|im_start|>|<|im_end|>'
+
+
+def test_serving_needs_no_pytorch(tmp_path):
+    """PyTorch is only the test reference: the tokenizer converted from GGUF, the weights, the
+    engine and the server all load with `import torch` made to fail."""
+    import subprocess
+    import sys
+
+    from smollm2 import GGUF_NAME, smollm2_dir
+
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any import of torch now raises ImportError
+from pathlib import Path
+from jaxserve.tokenizer import load_tokenizer
+from jaxserve.weights import load_model
+import jaxserve.engine.engine, jaxserve.server.app, jaxserve.cli
+tok = load_tokenizer(Path({str(smollm2_dir())!r}), {GGUF_NAME!r}, cache_dir=Path({str(tmp_path)!r}))
+assert tok.eos_token_id == 2 and tok.encode("Hello") == [19556]
+load_model(Path({str(smollm2_dir())!r}) / {GGUF_NAME!r}, "float32", use_cache=False)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
