@@ -240,24 +240,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import create_app, serve
+    from jaxserve.server.app import create_app
+    from jaxserve.server.loading import serve_while_loading
     from jaxserve.startup import start_engine
 
-    try:
+    engines: list[AsyncEngine] = []
+
+    def load() -> Any:
         engine, timings = start_engine(config)
+        log.info("ready in %.1fs (load %.1fs, compile %.1fs for %d step shapes)", timings["total"],
+                 timings["load"], timings["compile"], len(engine.compile_seconds))
+        engines.append(AsyncEngine(engine))
+        srv = config.server
+        return create_app(engines[0], engine.tokenizer, config.model.served_model_name,
+                          engine.config.scheduler.max_model_len, api_keys=srv.api_keys,
+                          max_request_bytes=srv.max_request_bytes,
+                          max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout)
+
+    srv = config.server
+    try:
+        # Blocks until SIGTERM/SIGINT; the port answers 503 while the model loads and compiles.
+        serve_while_loading(load, srv.host, srv.port, shutdown_timeout=srv.shutdown_timeout)
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 1
-    log.info("ready in %.1fs (load %.1fs, compile %.1fs for %d step shapes)", timings["total"], timings["load"],
-             timings["compile"], len(engine.compile_seconds))
-    async_engine = AsyncEngine(engine)
-    srv = config.server
-    app = create_app(async_engine, engine.tokenizer, config.model.served_model_name,
-                     engine.config.scheduler.max_model_len, api_keys=srv.api_keys,
-                     max_request_bytes=srv.max_request_bytes, max_concurrent_requests=srv.max_concurrent_requests,
-                     request_timeout=srv.request_timeout)
-    try:
-        serve(app, srv.host, srv.port, shutdown_timeout=srv.shutdown_timeout)  # blocks until SIGTERM/SIGINT
     finally:
-        async_engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
     return 0

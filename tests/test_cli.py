@@ -89,16 +89,25 @@ def test_python_m_jaxserve_serves_and_stops_on_sigterm(tmp_path):
          "--max-num-batched-tokens", "16", "--num-pages", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    body = {"model": "tiny", "prompt": "w5 w9 w13", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    loading: list[httpx.Response] = []
     try:
         deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code
             except httpx.HTTPError:
-                time.sleep(0.5)
-        body = {"model": "tiny", "prompt": "w5 w9 w13", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                time.sleep(0.2)
+                continue
+            if status == 200:
+                break
+            assert status == 503
+            if not loading:  # the port is open while the model loads; inference waits for it
+                loading.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10))
+            time.sleep(0.2)
+        assert loading, "never saw the loading state (the port opens before the model is ready)"
+        assert loading[0].status_code == 503 and loading[0].json()["error"]["code"] == 503
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] == 4 and reply["choices"][0]["finish_reason"] == "length"
         proc.send_signal(signal.SIGTERM)

@@ -126,11 +126,17 @@ async def serve_async(app: Quart, host: str, port: int, shutdown_timeout: float,
 
     async def trigger() -> None:
         await shutdown_trigger()
-        state.draining = True  # /health turns 503, new inference requests are refused
-        log.info("shutting down: finishing in-flight requests (up to %ss)", shutdown_timeout)
-        asyncio.get_running_loop().call_later(shutdown_timeout, _abort_rest, state)
+        begin_drain(state, shutdown_timeout)
 
     await hypercorn_serve(app, hypercorn_config(host, port, shutdown_timeout), shutdown_trigger=trigger)
+
+
+def begin_drain(state: ServerState, shutdown_timeout: float) -> None:
+    """Stop admitting (/health turns 503, new inference requests are refused) and abort whatever is
+    still running after shutdown_timeout seconds."""
+    state.draining = True
+    log.info("shutting down: finishing in-flight requests (up to %ss)", shutdown_timeout)
+    asyncio.get_running_loop().call_later(shutdown_timeout, _abort_rest, state)
 
 
 def _abort_rest(state: ServerState) -> None:

@@ -1,0 +1,88 @@
+"""Listen while the model loads: /health answers 503 until the engine is ready, then the real
+app takes over on the same socket (load balancers and readiness probes see "not ready" instead
+of a refused connection, and nothing races for the port)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Any, Awaitable, Callable
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from quart import Quart
+
+from jaxserve.server.app import begin_drain, hypercorn_config, state_of
+
+log = logging.getLogger("jaxserve.server")
+
+Scope = dict[str, Any]
+
+
+class LoadingGate:
+    """An ASGI app that answers 503 until `app` is set, then forwards everything to it."""
+
+    def __init__(self) -> None:
+        self.app: Quart | None = None
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
+        if self.app is not None and scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            # The real app's own start-up and shutdown run when it is swapped in and at the end.
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        elif scope["type"] == "http":
+            if scope["path"] == "/health":
+                body, content_type = b"", b"text/plain"
+            else:
+                body = json.dumps({"error": {"message": "the model is still loading", "type": "service_unavailable",
+                                             "param": None, "code": 503}}).encode()
+                content_type = b"application/json"
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", content_type), (b"retry-after", b"5")]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def serve_while_loading(load: Callable[[], Quart], host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+    """Open the port at once, build the real app with `load()` in a worker thread, swap it in, and
+    serve until SIGTERM/SIGINT (then drain as `app.serve` does). Blocks; re-raises load errors."""
+
+    async def main() -> None:
+        gate = LoadingGate()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        failed: list[BaseException] = []
+
+        async def trigger() -> None:
+            await stop.wait()
+            if gate.app is not None:
+                begin_drain(state_of(gate.app), shutdown_timeout)
+
+        server = asyncio.create_task(hypercorn_serve(gate, hypercorn_config(host, port, shutdown_timeout),
+                                                     shutdown_trigger=trigger))
+        log.info("listening on http://%s:%d while the model loads (/health: 503 until ready)", host, port)
+        try:
+            app = await asyncio.to_thread(load)
+        except BaseException as e:  # a load failure ends the process after closing the port
+            failed.append(e)
+            stop.set()
+        else:
+            await app.startup()
+            gate.app = app
+            log.info("serving %s on http://%s:%d", state_of(app).model_name, host, port)
+        await server
+        if gate.app is not None:
+            await gate.app.shutdown()
+        if failed:
+            raise failed[0]
+
+    asyncio.run(main())
