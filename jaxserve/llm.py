@@ -10,7 +10,7 @@ from typing import Sequence as Seq
 from tqdm import tqdm
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, default_cache_dir
-from jaxserve.engine.engine import Engine, EngineConfig
+from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.startup import LoadedServing, load
@@ -76,15 +76,6 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, ids, dataclasses.replace(p))
             order.append(request_id)
-        results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or None) as bar:
-            while len(results) < len(order) or any(not r.finished for r in results.values()):
-                deltas = self.engine.step()
-                if not deltas and not self.engine.has_unfinished():
-                    break
-                for d in deltas:
-                    acc = results.setdefault(d.request_id, dataclasses.replace(d, outputs=[]))
-                    acc.merge(d)
-                    if d.finished:
-                        bar.update(1)
+            results = run_to_completion(self.engine, order, on_finished=lambda _: bar.update(1))
         return [results[r] for r in order]

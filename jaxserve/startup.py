@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 
+import jax
 import jax.numpy as jnp
 
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ class LoadedServing:
 
     def summary(self) -> str:
         c = self.config
-        params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(self.loaded.model))
+        params = sum(int(x.size) for x in jax.tree_util.tree_leaves(self.loaded.model))
         return (
             f"{c.architecture}, {params / 1e6:.1f}M parameters, {jnp.dtype(self.loaded.dtype).name}, "
             f"{c.num_layers} layers, max_model_len {self.max_model_len}, vocab {c.vocab_size}, "

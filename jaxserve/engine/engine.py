@@ -9,7 +9,7 @@ import math
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
@@ -24,7 +24,6 @@ from jaxserve.engine.request import (
     InvalidRequestError,
     SamplingParams,
     Sequence,
-    SequenceStatus,
 )
 from jaxserve.engine.runner import Bucket, ModelRunner, build_inputs
 from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_batch
@@ -144,8 +143,9 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.scheduler.abort(request_id)
-        outputs = [self._final_delta(req, i) for i in range(len(req.seqs))]
+        self.scheduler.abort(request_id)  # finishes every sample with FinishReason.ABORT
+        want_logprobs = req.params.logprobs is not None
+        outputs = [text.delta(seq, i, want_logprobs) for i, (seq, text) in enumerate(zip(req.seqs, req.texts))]
         return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True,
                              req.seqs[0].num_cached_tokens)
 
@@ -314,20 +314,16 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens,
                              prompt_logprobs)
 
-    def _final_delta(self, req: _Request, i: int) -> CompletionOutput | None:
-        seq = req.seqs[i]
-        if seq.finish_reason is None:
-            seq.finish_reason = FinishReason.ABORT
-            seq.status = SequenceStatus.FINISHED
-        return req.texts[i].delta(seq, i, req.params.logprobs is not None)
-
     # ---- checks ------------------------------------------------------------------------------------
     def check_idle_integrity(self) -> None:
         self.scheduler.check_idle_integrity()
 
 
-def run_to_completion(engine: Engine, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
-    """Step until the given requests finish; returns their accumulated outputs."""
+def run_to_completion(
+    engine: Engine, request_ids: Iterable[str], on_finished: Callable[[str], None] | None = None
+) -> dict[str, RequestOutput]:
+    """Step until the given requests finish; returns their accumulated outputs (on_finished is
+    called with each request id as it finishes, e.g. to move a progress bar)."""
     pending = set(request_ids)
     results: dict[str, RequestOutput] = {}
     while pending:
@@ -335,11 +331,9 @@ def run_to_completion(engine: Engine, request_ids: Iterable[str]) -> dict[str, R
         if not deltas and not engine.has_unfinished():
             raise RuntimeError(f"requests {sorted(pending)} never finished")
         for d in deltas:
-            if d.request_id in results:
-                results[d.request_id].merge(d)
-            else:
-                results[d.request_id] = dataclasses.replace(d, outputs=[])
-                results[d.request_id].merge(d)
+            results.setdefault(d.request_id, dataclasses.replace(d, outputs=[])).merge(d)
             if d.finished:
                 pending.discard(d.request_id)
+                if on_finished is not None:
+                    on_finished(d.request_id)
     return results

@@ -45,11 +45,6 @@ class KVCache:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return KVCache(zeros(), zeros())
 
-    @staticmethod
-    def abstract(cfg: DecoderConfig, num_pages: int, page_size: int, dtype: Any) -> "KVCache":
-        spec = jax.ShapeDtypeStruct(KVCache.shape(cfg, num_pages, page_size), dtype)
-        return KVCache(spec, spec)
-
 
 def bytes_per_page(cfg: DecoderConfig, page_size: int, dtype: Any) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize

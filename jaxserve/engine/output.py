@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.engine.request import FinishReason, Sequence
+from jaxserve.engine.request import Sequence
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -135,7 +135,3 @@ class SequenceText:
         self.emitted = limit
         self.pending_ids, self.pending_logprobs = [], []
         return out
-
-
-def finish_reason_of(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value
