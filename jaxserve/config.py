@@ -25,6 +25,7 @@ class ModelConfig:
     chat_template: str | None = None  # template text or a file; overrides the checkpoint's
     weight_cache: bool = True  # convert once to an orbax checkpoint, restore later
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
+    task: str = "auto"  # auto | generate | classify (auto: from the checkpoint's architectures)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,17 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds; None = no deadline
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_n: int = 128
+    structured: "StructuredOutputConfig" = dataclasses.field(default_factory=lambda: StructuredOutputConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Compiling regex / JSON-schema / grammar constraints (jaxserve.structured)."""
+
+    timeout_s: float = 30.0  # a compile running longer is killed; the request gets 400
+    max_mib: int = 256  # largest compiled index accepted
+    cache_entries: int = 256  # compiled constraints kept in memory (LRU)
+    workers: int = 2  # compile processes (compiles of different specs run in parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +83,4 @@ class Config:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     compilation_cache_dir: Path | None = None
+    attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)

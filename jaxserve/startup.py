@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from jaxserve.config import Config, ModelConfig
 from jaxserve.models.config import DecoderConfig
+from jaxserve.parallel import make_mesh, param_sharding_for
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from jaxserve.weights import LoadedModel, load_model
 
@@ -52,9 +53,12 @@ def resolve_max_model_len(requested: int | None, cfg: DecoderConfig) -> int:
     return requested
 
 
-def load(cfg: ModelConfig) -> LoadedServing:
+def load(cfg: ModelConfig, tensor_parallel_size: int = 1) -> LoadedServing:
+    """Load weights (sharded over `tensor_parallel_size` local devices) and the tokenizer."""
     start = time.perf_counter()
-    loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache)
+    mesh = make_mesh(tensor_parallel_size)
+    loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
+                        sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
     tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template, cache_dir=cfg.cache_dir)
     if tokenizer.vocab_size > loaded.config.vocab_size:
@@ -69,17 +73,20 @@ def load(cfg: ModelConfig) -> LoadedServing:
 def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     """Load the model, size the KV cache, and compile every step shape: everything before the
     first request. Returns the engine and the seconds each phase took."""
+    from jaxserve.engine.attention import describe_backend, resolve_backend
     from jaxserve.engine.engine import Engine, EngineConfig
 
     start = time.perf_counter()
-    ready = load(config.model)
+    ready = load(config.model, config.parallel.tensor_parallel_size)
     log.info("model: %s", ready.summary())
     scheduler = dataclasses.replace(config.scheduler, max_model_len=ready.max_model_len)
+    attention_backend = resolve_backend(config.attention_backend)
+    log.info("attention: %s", describe_backend(attention_backend))
     engine = Engine(
         ready.loaded.model,
         ready.tokenizer,
         EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
-                     compilation_cache_dir=config.compilation_cache_dir),
+                     compilation_cache_dir=config.compilation_cache_dir, attention_backend=attention_backend),
     )
     loaded = time.perf_counter()
     engine.compile()

@@ -1,9 +1,12 @@
 """Paged attention over jaxserve's paged KV cache: pure-jnp references, validators and Pallas kernels.
 
-KV cache layout (per layer, the engine follows it): separate K and V arrays, each
-`[num_kv_heads, num_pages, page_size, head_dim]`; token t of sequence b is at page
+KV cache layout (the engine follows it): separate K and V arrays, each
+`[num_kv_heads, num_pages, page_size, head_dim]` per layer; token t of sequence b is at page
 `page_tables[b, t // page_size]`, slot `t % page_size`. Unused page-table entries may hold any
-in-range page id and unused pages may hold NaN; neither ever reaches a result.
+in-range page id and unused pages may hold NaN; neither ever reaches a result. The engine keeps all
+layers in one `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` array per K and V; every
+function here also takes that stack with `layer=` (an int32 scalar, traced inside the engine's layer
+scan) and reads that layer's pages in place, never slicing the layer out (which would copy it).
 
 `get_decode_attention(backend)` / `get_ragged_attention(backend)` return a callable with the
 reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu"}. Kernel modules are
@@ -31,14 +34,14 @@ def _check_backend(backend: str) -> None:
 
 def get_decode_attention(backend: str) -> Callable[..., object]:
     """Decode attention for `backend`, called as `f(q, k_pages, v_pages, page_tables, lengths, *, scale,
-    softcap=None, window=0)`."""
+    softcap=None, window=0, layer=None)`."""
     _check_backend(backend)
     return select_kernel(backend, paged_decode_attention_reference, _DECODE_KERNELS)
 
 
 def get_ragged_attention(backend: str) -> Callable[..., object]:
     """Ragged (prefill/decode) attention for `backend`, called as `f(q, k_pages, v_pages, page_tables,
-    cu_q_lens, kv_lens, num_seqs, *, scale, softcap=None, window=0)`."""
+    cu_q_lens, kv_lens, num_seqs, *, scale, softcap=None, window=0, layer=None)`."""
     _check_backend(backend)
     return select_kernel(backend, ragged_paged_attention_reference, _RAGGED_KERNELS)
 

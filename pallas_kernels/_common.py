@@ -1,8 +1,11 @@
 """Helpers shared by the attention references, kernels and validators.
 
-The KV cache layout (fixed; the engine follows it): per layer, separate K and V arrays, each
-`[num_kv_heads, num_pages, page_size, head_dim]`. Token t of a sequence lives in page
-`page_tables[b, t // page_size]`, slot `t % page_size`.
+The KV cache layout (fixed; the engine follows it): separate K and V arrays, each
+`[num_kv_heads, num_pages, page_size, head_dim]` per layer. The engine stacks the layers into one
+`[num_layers, num_kv_heads, num_pages, page_size, head_dim]` array per K and V, and every reference,
+kernel and validator accepts that stack plus a `layer` index (traced int32 scalar) and reads the
+pages of that layer in place. Token t of a sequence lives in page `page_tables[b, t // page_size]`,
+slot `t % page_size`.
 """
 
 from __future__ import annotations
@@ -109,8 +112,8 @@ def online_softmax_result(acc: jax.Array, l: jax.Array, *, keepdims: bool = Fals
 
 def attend_items(
     q: jax.Array,  # [items, rows, kv_heads, group, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim (layers iff `layer`)
+    v_pages: jax.Array,
     pages: jax.Array,  # [items, max_pages_per_seq] int32: each item's page-table row
     kv_len: jax.Array,  # [items] int32 (0 for items that do nothing)
     q_pos: jax.Array,  # [items, rows] int32
@@ -230,18 +233,55 @@ def check_float(name: str, x: Any) -> None:
         raise ValueError(f"{name} must be a floating-point array (float32 or bfloat16), got dtype {x.dtype}")
 
 
-def validate_cache(q: Any, k_pages: Any, v_pages: Any, q_expected: str) -> tuple[int, int, int, int, int]:
-    """Checks q against the K/V pages; returns (q_heads, kv_heads, num_pages, page_size, head_dim)."""
+PAGES_SHAPE = "[num_kv_heads, num_pages, page_size, head_dim] (or [num_layers, ...] with layer)"
+
+
+def check_layer_arg(k_pages: Any, layer: Any) -> None:
+    """Static check that `layer` goes with a stacked cache: required for 5D pages, refused for 4D."""
+    ndim = len(k_pages.shape)
+    if ndim == 5 and layer is None:
+        raise ValueError(
+            f"k_pages has shape {tuple(k_pages.shape)} = [num_layers, num_kv_heads, num_pages, page_size, "
+            "head_dim]: pass layer= (which layer to read)"
+        )
+    if ndim == 4 and layer is not None:
+        raise ValueError(
+            f"layer= needs the stacked cache [num_layers, num_kv_heads, num_pages, page_size, head_dim], "
+            f"got k_pages of shape {tuple(k_pages.shape)}"
+        )
+
+
+def stacked_cache(k_pages: jax.Array, v_pages: jax.Array, layer: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k_pages, v_pages, layer) as the kernels take them: a 5D stack and an int32 scalar.
+
+    One layer's 4D pages become a stack of one (adding a leading unit axis is free: no copy), so the
+    kernels have a single code path that indexes the layer in place.
+    """
+    check_layer_arg(k_pages, layer)
+    if len(k_pages.shape) == 4:
+        return k_pages[None], v_pages[None], jnp.zeros((), jnp.int32)
+    return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(())
+
+
+def validate_cache(
+    q: Any, k_pages: Any, v_pages: Any, q_expected: str, layer: Any = None
+) -> tuple[int, int, int, int, int]:
+    """Checks q against the K/V pages (one layer's 4D, or the stacked 5D cache with `layer`);
+    returns (q_heads, kv_heads, num_pages, page_size, head_dim)."""
     check_ndim("q", q, 3, q_expected)
-    check_ndim("k_pages", k_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
-    check_ndim("v_pages", v_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
+    if not hasattr(k_pages, "shape") or len(k_pages.shape) not in (4, 5):
+        check_ndim("k_pages", k_pages, 4, PAGES_SHAPE)
+    check_ndim("v_pages", v_pages, len(k_pages.shape), f"k_pages.shape {tuple(k_pages.shape)}")
+    check_layer_arg(k_pages, layer)
     check_float("q", q)
     check_float("k_pages", k_pages)
     check_float("v_pages", v_pages)
-    kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    check_shape("v_pages", v_pages, k_pages.shape, "k_pages.shape [num_kv_heads, num_pages, page_size, head_dim]")
+    kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
+    check_shape("v_pages", v_pages, k_pages.shape, f"k_pages.shape {PAGES_SHAPE}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    if layer is not None:
+        validate_layer(layer, k_pages.shape[0])
     q_heads = q.shape[1]
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim (q.shape[2] = {q.shape[2]}) must equal the pages' head_dim {head_dim}")
@@ -250,6 +290,16 @@ def validate_cache(q: Any, k_pages: Any, v_pages: Any, q_expected: str) -> tuple
     if num_pages == 0 or page_size == 0:
         raise ValueError(f"k_pages must hold at least one page of at least one slot, got shape {k_pages.shape}")
     return q_heads, kv_heads, num_pages, page_size, head_dim
+
+
+def validate_layer(layer: Any, num_layers: int) -> None:
+    """`layer` is an integer scalar, and in [0, num_layers) when concrete (a traced one cannot be
+    checked; the kernels' index maps and DMAs would then read out of bounds)."""
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    value = concrete_or_none(layer)
+    if value is not None and not 0 <= int(value) < num_layers:
+        raise ValueError(f"layer = {int(value)} is out of range [0, {num_layers}) (num_layers = k_pages.shape[0])")
 
 
 def validate_options(softcap: float | None, window: Any) -> None:
@@ -273,5 +323,5 @@ def validate_page_tables(page_tables: Any, rows: int, num_pages: int, rows_name:
         bad = np.argwhere((pt < 0) | (pt >= num_pages))[0]
         raise ValueError(
             f"page_tables[{bad[0]}, {bad[1]}] = {pt[tuple(bad)]} is out of range [0, {num_pages}) "
-            f"(num_pages = k_pages.shape[1])"
+            f"(num_pages = k_pages.shape[-3])"
         )

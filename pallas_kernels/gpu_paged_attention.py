@@ -8,6 +8,14 @@ with its running max and sum; the splits are combined exactly with log-sum-exp o
 Splits whose pages are all past the sequence's length, or all outside its sliding window, do no
 work, so a batch pays for the pages its sequences use, not for `max_pages_per_seq`.
 
+The pages are the engine's stacked cache `[layers, kv_heads, num_pages, page_size, head_dim]` plus a
+`layer` index (one layer's 4D pages are a stack of one). The Triton lowering has no scalar
+prefetch, so the layer cannot steer a BlockSpec index map; instead a program's K/V block is the kv
+head's pages of *every* layer (`[layers, num_pages, page_size, head_dim]`, which on the GPU is only a
+base pointer and strides, nothing is copied) and the kernel reads `pages[layer, ids]`, so exactly
+the pages it needs are loaded from the layer in place. (In interpret mode on the CPU the block is
+sliced out per program, which is slow but only for tests.)
+
 Lowering choice. Pallas on GPU has two lowerings: Triton (`jax.experimental.pallas.triton`) and
 Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`, the supported Hopper path in new JAX; Triton is
 deprecated there). Only the Triton variant exists so far: it is the one that runs in interpret mode
@@ -31,6 +39,7 @@ from pallas_kernels._common import (
     dot_precision,
     online_softmax_init,
     online_softmax_step,
+    stacked_cache,
 )
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
@@ -55,32 +64,33 @@ def pages_per_block_for(pages_per_block: int | None, page_size: int, max_pages: 
 def block_logits(
     q: jax.Array,  # [rows, head_dim]
     page_tables_ref,  # [n] int32: the program's page ids
-    k_pages_ref,  # [num_pages, page_size, head_dim]: one kv head's pages
+    k_pages_ref,  # [layers, num_pages, page_size, head_dim]: one kv head's pages of every layer
     v_pages_ref,
+    layer: jax.Array,
     i: jax.Array,
     pages_per_block: int,
     scale: float,
     softcap: float | None,
     precision: jax.lax.Precision,
 ) -> tuple[jax.Array, jax.Array]:
-    """Block `i` of a program's pages (one gather of page ids): the logits [rows, block_k], scaled
-    and soft-capped, and the values [block_k, head_dim]."""
-    head_dim = k_pages_ref.shape[2]
-    block_k = pages_per_block * k_pages_ref.shape[1]
+    """Block `i` of a program's pages of `layer` (one gather of page ids): the logits [rows,
+    block_k], scaled and soft-capped, and the values [block_k, head_dim]."""
+    head_dim = k_pages_ref.shape[3]
+    block_k = pages_per_block * k_pages_ref.shape[2]
     ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-    k = k_pages_ref[ids].reshape(block_k, head_dim)
-    v = v_pages_ref[ids].reshape(block_k, head_dim)
+    k = k_pages_ref[layer, ids].reshape(block_k, head_dim)
+    v = v_pages_ref[layer, ids].reshape(block_k, head_dim)
     s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
     return apply_softcap(s, softcap), v
 
 
 def _decode_kernel(
     lengths_ref,  # [1] int32: this sequence's length
-    window_ref,  # [1] int32
+    scalars_ref,  # [2] int32: window, layer
     page_tables_ref,  # [pages_per_split] int32: this sequence's pages in this split
     q_ref,  # [rows, head_dim]: this kv head's query heads, padded
-    k_pages_ref,  # [num_pages, page_size, head_dim]: this kv head's pages
-    v_pages_ref,  # [num_pages, page_size, head_dim]
+    k_pages_ref,  # [layers, num_pages, page_size, head_dim]: this kv head's pages of every layer
+    v_pages_ref,  # [layers, num_pages, page_size, head_dim]
     acc_ref,  # [rows, head_dim] float32
     m_ref,  # [rows] float32
     l_ref,  # [rows] float32
@@ -92,11 +102,11 @@ def _decode_kernel(
 ):
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
+    page_size = k_pages_ref.shape[2]
     pages_per_split = page_tables_ref.shape[0]
     block_k = pages_per_block * page_size
     length = lengths_ref[0]
-    window = window_ref[0]
+    window, layer = scalars_ref[0], scalars_ref[1]
     q_pos = length - 1
     first_key = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
 
@@ -106,7 +116,9 @@ def _decode_kernel(
     q = q_ref[...]
 
     def body(i, carry):
-        s, v = block_logits(q, page_tables_ref, k_pages_ref, v_pages_ref, i, pages_per_block, scale, softcap, precision)
+        s, v = block_logits(
+            q, page_tables_ref, k_pages_ref, v_pages_ref, layer, i, pages_per_block, scale, softcap, precision
+        )
         key_pos = (split_start + i * pages_per_block) * page_size + jnp.arange(block_k, dtype=jnp.int32)
         ok = (key_pos < length) & (key_pos >= first_key)  # key_pos <= q_pos follows from < length
         mask = jnp.broadcast_to(ok[None, :], (rows, block_k))
@@ -144,6 +156,7 @@ def _decode_triton(
     scale: float,
     softcap: float | None,
     window: jax.Array | int,
+    layer: jax.Array,
     pages_per_block: int | None,
     num_splits: int | None,
     num_warps: int,
@@ -151,7 +164,7 @@ def _decode_triton(
     interpret: bool,
 ) -> jax.Array:
     batch, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    num_layers, kv_heads, num_pages, page_size, _ = k_pages.shape
     max_pages = page_tables.shape[1]
     group = q_heads // kv_heads
     rows = max(MIN_DOT_ROWS, _next_pow2(group))
@@ -168,7 +181,7 @@ def _decode_triton(
 
     qg = q.reshape(batch, kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    window_arr = jnp.asarray(window, jnp.int32).reshape(1)
+    scalars = jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer])
 
     kernel = functools.partial(
         _decode_kernel,
@@ -177,17 +190,18 @@ def _decode_triton(
         pages_per_block=pages_per_block,
         precision=dot_precision(q.dtype),
     )
-    page_block = (None, k_pages.shape[1], page_size, head_dim)
+    # Every layer of kv head h: the layer is picked inside the kernel (no scalar prefetch in Triton).
+    page_block = (num_layers, None, num_pages, page_size, head_dim)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
         in_specs=[
             pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((1,), lambda b, h, s: (0,)),
+            pl.BlockSpec((2,), lambda b, h, s: (0,)),
             pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, h, s: (h, 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, h, s: (h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -202,7 +216,7 @@ def _decode_triton(
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxserve_paged_decode",
-    )(lengths.astype(jnp.int32).reshape(batch, 1), window_arr, page_tables, qg, k_pages, v_pages)
+    )(lengths.astype(jnp.int32).reshape(batch, 1), scalars, page_tables, qg, k_pages, v_pages)
 
     out = combine_splits(acc, m, l)[:, :, :group]
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
@@ -222,7 +236,7 @@ DEFAULT_LOWERING = "triton"
 
 def paged_decode_attention_gpu(
     q: jax.Array,  # [batch, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     v_pages: jax.Array,
     page_tables: jax.Array,  # [batch, max_pages_per_seq] int32
     lengths: jax.Array,  # [batch] int32
@@ -230,6 +244,7 @@ def paged_decode_attention_gpu(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -241,9 +256,11 @@ def paged_decode_attention_gpu(
 
     `pages_per_block`, `num_splits`, `num_warps`, `num_stages` are static tuning knobs (defaults:
     ~64 keys per block, enough splits for ~264 programs); `interpret` defaults to True off-GPU.
+    With `layer`, k_pages/v_pages are the stacked cache and only that layer's pages are read.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
+    k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     return LOWERINGS[lowering](
         q,
         k_pages,
@@ -253,6 +270,7 @@ def paged_decode_attention_gpu(
         scale=scale,
         softcap=softcap,
         window=window,
+        layer=layer,
         pages_per_block=pages_per_block,
         num_splits=num_splits,
         num_warps=num_warps,

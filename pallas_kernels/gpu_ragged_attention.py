@@ -6,7 +6,9 @@ item's rows times the kv head's query heads as the rows of one matmul (token-maj
 streams the sequence's pages in blocks of `pages_per_block` from the first key any of its rows can
 see (sliding window) to the last (causal), and keeps an online softmax (flash attention). Dead
 items (past the real count) do no work. Outputs go to a per-item buffer and are read back per token,
-so programs never write the same memory.
+so programs never write the same memory. The pages are the stacked cache plus a `layer` index, read
+in place as in `gpu_paged_attention` (the block is a kv head's pages of every layer; the kernel
+indexes the layer).
 
 The new K/V are written into the pages beforehand with `kv_write.write_kv` (not fused); whether
 fusing the write pays is for the H100 measurement. Lowering choice: as in `gpu_paged_attention`, only
@@ -28,6 +30,7 @@ from pallas_kernels._common import (
     online_softmax_init,
     online_softmax_result,
     online_softmax_step,
+    stacked_cache,
 )
 from pallas_kernels.gpu_paged_attention import (
     MIN_DOT_ROWS,
@@ -42,10 +45,10 @@ from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_ite
 
 def _ragged_kernel(
     meta_ref,  # [4] int32: first token, first row within the sequence, q_len, kv_len
-    window_ref,  # [1] int32
+    scalars_ref,  # [2] int32: window, layer
     page_tables_ref,  # [padded_pages] int32: the item's sequence's page-table row
     q_ref,  # [padded_tokens, heads, head_dim]: this kv head's query heads
-    k_pages_ref,  # [num_pages, page_size, head_dim]
+    k_pages_ref,  # [layers, num_pages, page_size, head_dim]: this kv head's pages of every layer
     v_pages_ref,
     o_ref,  # [q_block * heads, head_dim]
     *,
@@ -57,11 +60,11 @@ def _ragged_kernel(
     precision: jax.lax.Precision,
 ):
     heads, head_dim = q_ref.shape[1], q_ref.shape[2]
-    page_size = k_pages_ref.shape[1]
+    page_size = k_pages_ref.shape[2]
     block_k = pages_per_block * page_size
     rows = q_block * heads
     token, row0, q_len, kv_len = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    window = window_ref[0]
+    window, layer = scalars_ref[0], scalars_ref[1]
 
     r = jnp.arange(rows, dtype=jnp.int32)
     local = row0 + r // heads
@@ -76,7 +79,9 @@ def _ragged_kernel(
     q = q_ref[pl.ds(token, q_block), :, :].reshape(rows, head_dim)
 
     def body(i, carry):
-        s, v = block_logits(q, page_tables_ref, k_pages_ref, v_pages_ref, i, pages_per_block, scale, softcap, precision)
+        s, v = block_logits(
+            q, page_tables_ref, k_pages_ref, v_pages_ref, layer, i, pages_per_block, scale, softcap, precision
+        )
         key_pos = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
         key_ok = key_pos < kv_len
         mask = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
@@ -105,6 +110,7 @@ def _ragged_triton(
     scale: float,
     softcap: float | None,
     window: jax.Array | int,
+    layer: jax.Array,
     q_block: int | None,
     pages_per_block: int | None,
     num_warps: int,
@@ -112,7 +118,7 @@ def _ragged_triton(
     interpret: bool,
 ) -> jax.Array:
     total, q_heads, head_dim = q.shape
-    kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, kv_heads, num_pages, page_size, _ = k_pages.shape
     max_seqs, max_pages = page_tables.shape
     group = q_heads // kv_heads
     heads = _next_pow2(group)
@@ -127,7 +133,7 @@ def _ragged_triton(
     # [kv_heads, tokens + q_block, heads, head_dim]: an item's rows are one slice that never runs off the end.
     qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qg = jnp.pad(qg, ((0, 0), (0, tq), (0, heads - group), (0, 0)))
-    window_arr = jnp.asarray(window, jnp.int32).reshape(1)
+    scalars = jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer])
 
     kernel = functools.partial(
         _ragged_kernel,
@@ -138,24 +144,25 @@ def _ragged_triton(
         pages_per_block=pages_per_block,
         precision=dot_precision(q.dtype),
     )
-    page_block = (None, num_pages, page_size, head_dim)
+    # Every layer of kv head h: the layer is picked inside the kernel (no scalar prefetch in Triton).
+    page_block = (num_layers, None, num_pages, page_size, head_dim)
     out = pl.pallas_call(
         kernel,
         grid=(num_items, kv_heads),
         in_specs=[
             pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
-            pl.BlockSpec((1,), lambda i, h: (0,)),
+            pl.BlockSpec((2,), lambda i, h: (0,)),
             pl.BlockSpec((None, padded_pages), lambda i, h: (i, 0)),
             pl.BlockSpec((None, total + tq, heads, head_dim), lambda i, h: (h, 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda i, h: (h, 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda i, h: (0, h, 0, 0, 0)),
+            pl.BlockSpec(page_block, lambda i, h: (0, h, 0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, tq * heads, head_dim), lambda i, h: (h, i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * heads, head_dim), q.dtype),
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
-    )(meta, window_arr, item_pages, qg, k_pages, v_pages)
+    )(meta, scalars, item_pages, qg, k_pages, v_pages)
 
     out = out.reshape(kv_heads, num_items, tq, heads, head_dim)[:, w.token_item, w.token_row, :group]
     out = out.transpose(1, 0, 2, 3).reshape(total, q_heads, head_dim)
@@ -168,7 +175,7 @@ DEFAULT_LOWERING = "triton"
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [total_tokens, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     v_pages: jax.Array,
     page_tables: jax.Array,  # [max_seqs, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -178,6 +185,7 @@ def ragged_paged_attention_gpu(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     q_block: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int = 4,
@@ -188,10 +196,12 @@ def ragged_paged_attention_gpu(
     """Ragged attention as a Pallas GPU kernel; same semantics as `ragged_paged_attention_reference`.
 
     `q_block` (query tokens per program, a power of two), `pages_per_block`, `num_warps`,
-    `num_stages` are static tuning knobs; `interpret` defaults to True off-GPU.
+    `num_stages` are static tuning knobs; `interpret` defaults to True off-GPU. With `layer`,
+    k_pages/v_pages are the stacked cache and only that layer's pages are read.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
+    k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     return LOWERINGS[lowering](
         q,
         k_pages,
@@ -203,6 +213,7 @@ def ragged_paged_attention_gpu(
         scale=scale,
         softcap=softcap,
         window=window,
+        layer=layer,
         q_block=q_block,
         pages_per_block=pages_per_block,
         num_warps=num_warps,

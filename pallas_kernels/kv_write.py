@@ -1,8 +1,10 @@
 """Writing new K/V tokens into the paged cache.
 
-`write_kv` is one scatter per cache; meant to run under jit with the pages donated, so XLA updates
-them in place. Its triple partner is `validate_write_inputs`; the scatter is already what a kernel
-would do (one row copy per token), so there is no separate Pallas variant.
+`write_kv` is one scatter per cache (one layer's pages, or the engine's stacked cache with `layer`);
+meant to run under jit with the pages donated (or loop-carried), so XLA updates them in place. Its
+triple partner is `validate_write_inputs`; the scatter is already what a kernel would do (one row
+copy per token), so there is no separate Pallas variant. Whether fusing the write into the ragged
+kernel pays is for the H100 (`benchmarks/kernels.py` times `write_kv` beside the kernels).
 """
 
 from __future__ import annotations
@@ -13,41 +15,66 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import check_float, check_int, check_ndim, check_shape, concrete_or_none
+from pallas_kernels._common import (
+    PAGES_SHAPE,
+    check_float,
+    check_int,
+    check_layer_arg,
+    check_ndim,
+    check_shape,
+    concrete_or_none,
+    stacked_cache,
+    validate_layer,
+)
 
 
 def write_kv(
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
+    v_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     k_new: jax.Array,  # [tokens, kv_heads, head_dim]
     v_new: jax.Array,  # [tokens, kv_heads, head_dim]
     slot_mapping: jax.Array,  # [tokens] int32: page * page_size + offset, -1 = padding
+    *,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Returns (k_pages, v_pages) with token i written at flat slot `slot_mapping[i]`.
+    """Returns (k_pages, v_pages) with token i written at flat slot `slot_mapping[i]` (of `layer`,
+    when the pages are the engine's stacked [layers, ...] cache).
 
-    Padding slots (-1) are sent to an out-of-range index and dropped by the scatter, so a padded
-    bucket never touches a real page.
+    Padding slots (-1) are sent to an out-of-range page and dropped by the scatter, so a padded
+    bucket never touches a real page. The scatter indexes (layer, page, offset) directly rather than
+    reshaping pages x page_size into flat slots: on a TPU that reshape crosses the tiled minor
+    dimensions and could cost a copy of the whole cache.
     """
-    kv_heads, num_pages, page_size, head_dim = k_pages.shape
-    num_slots = num_pages * page_size
+    stacked, v_stacked, layer = stacked_cache(k_pages, v_pages, layer)
+    num_pages, page_size = stacked.shape[2], stacked.shape[3]
     slots = slot_mapping.astype(jnp.int32)
-    slots = jnp.where((slots < 0) | (slots >= num_slots), num_slots, slots)
+    valid = (slots >= 0) & (slots < num_pages * page_size)
+    page = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
+    offset = jnp.where(valid, slots % page_size, 0)
 
     def write(pages: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pages.reshape(kv_heads, num_slots, head_dim)  # a bitcast: no copy under donation
-        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
+        return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
 
-    return write(k_pages, k_new), write(v_pages, v_new)
+    k_out, v_out = write(stacked, k_new), write(v_stacked, v_new)
+    if len(k_pages.shape) == 4:
+        return k_out[0], v_out[0]
+    return k_out, v_out
 
 
-def validate_write_inputs(k_pages: Any, v_pages: Any, k_new: Any, v_new: Any, slot_mapping: Any) -> None:
+def validate_write_inputs(
+    k_pages: Any, v_pages: Any, k_new: Any, v_new: Any, slot_mapping: Any, *, layer: Any = None
+) -> None:
     """Raises ValueError naming the argument and the expected shape; slot bounds checked when concrete."""
-    check_ndim("k_pages", k_pages, 4, "[num_kv_heads, num_pages, page_size, head_dim]")
-    check_shape("v_pages", v_pages, k_pages.shape, "k_pages.shape [num_kv_heads, num_pages, page_size, head_dim]")
+    if not hasattr(k_pages, "shape") or len(k_pages.shape) not in (4, 5):
+        check_ndim("k_pages", k_pages, 4, PAGES_SHAPE)
+    check_shape("v_pages", v_pages, k_pages.shape, f"k_pages.shape {PAGES_SHAPE}")
+    check_layer_arg(k_pages, layer)
     check_float("k_pages", k_pages)
     check_float("v_pages", v_pages)
-    kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if layer is not None:
+        validate_layer(layer, k_pages.shape[0])
+    kv_heads, num_pages, page_size, head_dim = k_pages.shape[-4:]
     check_ndim("slot_mapping", slot_mapping, 1, "[tokens]")
     check_int("slot_mapping", slot_mapping)
     tokens = slot_mapping.shape[0]

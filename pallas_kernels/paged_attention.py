@@ -27,6 +27,7 @@ import numpy as np
 from pallas_kernels._common import (
     attend_items,
     check_int,
+    check_layer_arg,
     check_shape,
     chunk_pages_for,
     concrete_or_none,
@@ -45,8 +46,8 @@ PALLAS_KERNELS = {
 
 def paged_decode_attention_reference(
     q: jax.Array,  # [batch, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
+    v_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     page_tables: jax.Array,  # [batch, max_pages_per_seq] int32
     lengths: jax.Array,  # [batch] int32
     *,
@@ -54,12 +55,14 @@ def paged_decode_attention_reference(
     softcap: float | None = None,
     window: jax.Array | int = 0,
     chunk_pages: int | None = None,
-    layer: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """Pure-jnp decode attention; `chunk_pages` (static) sets how many pages are read per step of
     the online softmax (default: about CHUNK_BYTES of intermediates; `max_pages_per_seq` = one dense
-    pass)."""
+    pass). With `layer` (an int32 scalar, may be traced), k_pages/v_pages are the engine's stacked
+    cache [layers, kv_heads, num_pages, page_size, head_dim] and only that layer is read."""
     batch, q_heads, head_dim = q.shape
+    check_layer_arg(k_pages, layer)
     kv_heads, _, page_size, _ = k_pages.shape[-4:]  # [layers,] kv_heads, pages, page_size, head_dim
     lengths = lengths.astype(jnp.int32)
     if chunk_pages is None:
@@ -90,13 +93,14 @@ def validate_decode_inputs(
     *,
     softcap: float | None = None,
     window: Any = 0,
+    layer: Any = None,
 ) -> None:
     """Raises ValueError naming the argument and the expected shape when the inputs are inconsistent.
 
     Value checks (page ids in [0, num_pages), 0 <= lengths <= max_pages_per_seq * page_size) run only
     on concrete arrays; under jit only the static checks apply.
     """
-    _, _, num_pages, page_size, _ = validate_cache(q, k_pages, v_pages, "[batch, q_heads, head_dim]")
+    _, _, num_pages, page_size, _ = validate_cache(q, k_pages, v_pages, "[batch, q_heads, head_dim]", layer)
     batch = q.shape[0]
     validate_page_tables(page_tables, batch, num_pages, "batch")
     check_int("lengths", lengths)
@@ -122,11 +126,13 @@ def paged_decode_attention(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     backend: str = "pallas_gpu",
     **kernel_options: Any,
 ) -> jax.Array:
     """The Pallas decode kernel of `backend` ("pallas_gpu" or "pallas_tpu"), reference signature."""
     kernel = select_kernel(backend, paged_decode_attention_reference, PALLAS_KERNELS)
     return kernel(
-        q, k_pages, v_pages, page_tables, lengths, scale=scale, softcap=softcap, window=window, **kernel_options
-    )
+        q, k_pages, v_pages, page_tables, lengths,
+        scale=scale, softcap=softcap, window=window, layer=layer, **kernel_options,
+    )  # fmt: skip

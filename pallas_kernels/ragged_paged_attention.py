@@ -32,6 +32,7 @@ import numpy as np
 from pallas_kernels._common import (
     attend_items,
     check_int,
+    check_layer_arg,
     check_ndim,
     check_shape,
     chunk_pages_for,
@@ -118,8 +119,8 @@ def plan_work_items(
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [total_tokens, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
+    v_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     page_tables: jax.Array,  # [max_seqs, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
     kv_lens: jax.Array,  # [max_seqs] int32
@@ -130,13 +131,14 @@ def ragged_paged_attention_reference(
     window: jax.Array | int = 0,
     q_block: int | None = None,
     chunk_pages: int | None = None,
-    layer: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """Pure-jnp ragged attention. `q_block` (static): query rows per work item (default from the
     bucket shape); `chunk_pages` (static): pages per online-softmax step (default: bounded memory).
     With `layer` (a traced int32), k_pages/v_pages are the engine's whole stacked cache [layers,
     kv_heads, num_pages, page_size, head_dim] and only that layer is read."""
     total, q_heads, head_dim = q.shape
+    check_layer_arg(k_pages, layer)
     kv_heads, _, page_size, _ = k_pages.shape[-4:]  # [layers,] kv_heads, pages, page_size, head_dim
     max_seqs = page_tables.shape[0]
     tq = q_block or default_q_block(total, max_seqs)
@@ -177,13 +179,14 @@ def validate_ragged_inputs(
     *,
     softcap: float | None = None,
     window: Any = 0,
+    layer: Any = None,
 ) -> None:
     """Raises ValueError naming the argument and the expected shape when the inputs are inconsistent.
 
     Value checks (page ids, cu_q_lens monotone from 0 and within total_tokens, q_len <= kv_len <=
     max_pages_per_seq * page_size, 0 <= num_seqs <= max_seqs) run only on concrete arrays.
     """
-    _, _, num_pages, page_size, _ = validate_cache(q, k_pages, v_pages, "[total_tokens, q_heads, head_dim]")
+    _, _, num_pages, page_size, _ = validate_cache(q, k_pages, v_pages, "[total_tokens, q_heads, head_dim]", layer)
     total = q.shape[0]
     check_ndim("kv_lens", kv_lens, 1, "[max_seqs]")
     check_int("kv_lens", kv_lens)
@@ -238,6 +241,7 @@ def ragged_paged_attention(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     backend: str = "pallas_gpu",
     **kernel_options: Any,
 ) -> jax.Array:
@@ -254,5 +258,6 @@ def ragged_paged_attention(
         scale=scale,
         softcap=softcap,
         window=window,
+        layer=layer,
         **kernel_options,
     )

@@ -1,12 +1,15 @@
 """Pallas TPU (Mosaic) decode paged attention, with the reference's signature.
 
-Grid `(batch, kv_heads)`; the lengths, the flattened page tables and the window are scalar-prefetched
-into SMEM (`PrefetchScalarGridSpec`), so each program knows its pages before it starts. The K/V pages
-stay in HBM (`memory_space=ANY`); a program walks its sequence's visible pages in blocks of
+Grid `(batch, kv_heads)`; the lengths, the flattened page tables, the window and the layer are
+scalar-prefetched into SMEM (`PrefetchScalarGridSpec`), so each program knows its pages before it
+starts. The K/V pages are the engine's stacked cache `[layers, kv_heads, num_pages, page_size,
+head_dim]` (one layer's 4D pages are a stack of one) and stay in HBM (`memory_space=ANY`), so no
+layer is ever sliced out. A program walks its sequence's visible pages in blocks of
 `pages_per_block`, copying each page with its own DMA into a two-slot VMEM scratch: while block i
 is being computed, block i + 1 is already in flight (double buffering). Every DMA goes from
-`pages.at[head, page]` to `buffer.at[slot, j]` — whole refs indexed, never reshaped (reshaped refs
-feeding DMAs break TPU interpret mode); the reshape to `[block_k, head_dim]` is on the loaded value.
+`pages.at[layer, head, page]` to `buffer.at[slot, j]` — whole refs indexed, never reshaped
+(reshaped refs feeding DMAs break TPU interpret mode); the reshape to `[block_k, head_dim]` is on
+the loaded value.
 
 Only the blocks a row can see are copied: from the first key of the sliding window to the last
 written token, so a step reads the pages it uses, not `max_pages_per_seq`. A program's query rows
@@ -34,6 +37,7 @@ from pallas_kernels._common import (
     online_softmax_init,
     online_softmax_result,
     online_softmax_step,
+    stacked_cache,
 )
 
 
@@ -68,8 +72,9 @@ def attend_page_blocks(
     *,
     page_ids_ref,  # SMEM int32: the program's page-table row starts at page_ids_ref[page_offset]
     page_offset: jax.Array,
+    layer: jax.Array,
     head: jax.Array,
-    k_pages_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    k_pages_hbm,  # [layers, kv_heads, num_pages, page_size, head_dim] (HBM)
     v_pages_hbm,
     k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM
     v_buf,
@@ -94,8 +99,8 @@ def attend_page_blocks(
         out = []
         for j in range(pages_per_block):
             page = page_ids_ref[page_offset + block * pages_per_block + j]
-            out.append(pltpu.make_async_copy(k_pages_hbm.at[head, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_pages_hbm.at[head, page], v_buf.at[slot, j], sems.at[1, slot]))
+            out.append(pltpu.make_async_copy(k_pages_hbm.at[layer, head, page], k_buf.at[slot, j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_pages_hbm.at[layer, head, page], v_buf.at[slot, j], sems.at[1, slot]))
         return out
 
     def start(block, slot):
@@ -138,10 +143,10 @@ def _decode_kernel(
     # scalar prefetch (SMEM)
     lengths_ref,  # [batch] int32
     page_tables_ref,  # [batch * padded_pages] int32
-    window_ref,  # [1] int32
+    scalars_ref,  # [2] int32: window, layer
     # inputs
     q_ref,  # [group, head_dim] (VMEM block)
-    k_pages_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    k_pages_hbm,  # [layers, kv_heads, num_pages, page_size, head_dim] (HBM)
     v_pages_hbm,
     # output
     o_ref,  # [group, head_dim]
@@ -158,7 +163,7 @@ def _decode_kernel(
     b, h = pl.program_id(0), pl.program_id(1)
     block_k = k_buf.shape[1] * k_buf.shape[2]
     length = lengths_ref[b]
-    window = window_ref[0]
+    window = scalars_ref[0]
     first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)  # q_pos - window + 1
 
     def key_mask(key_pos):
@@ -172,6 +177,7 @@ def _decode_kernel(
         (length + block_k - 1) // block_k,
         page_ids_ref=page_tables_ref,
         page_offset=b * padded_pages,
+        layer=scalars_ref[1],
         head=h,
         k_pages_hbm=k_pages_hbm,
         v_pages_hbm=v_pages_hbm,
@@ -187,7 +193,7 @@ def _decode_kernel(
 
 def paged_decode_attention_tpu(
     q: jax.Array,  # [batch, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     v_pages: jax.Array,
     page_tables: jax.Array,  # [batch, max_pages_per_seq] int32
     lengths: jax.Array,  # [batch] int32
@@ -195,16 +201,19 @@ def paged_decode_attention_tpu(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     pages_per_block: int | None = None,
     interpret: pltpu.InterpretParams | bool | None = None,
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """Decode attention as a Pallas TPU kernel; same semantics as `paged_decode_attention_reference`.
 
     `pages_per_block` (static, default ~128 keys per block) sets the DMA/compute block; `interpret`
-    defaults to `pltpu.InterpretParams(out_of_bounds_reads="raise")` off-TPU.
+    defaults to `pltpu.InterpretParams(out_of_bounds_reads="raise")` off-TPU. With `layer`,
+    k_pages/v_pages are the stacked cache and only that layer's pages are read.
     """
+    k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     batch, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    _, kv_heads, _, page_size, _ = k_pages.shape
     group = q_heads // kv_heads
     page_tables, pages_per_block, padded_pages = block_page_tables(page_tables, page_size, pages_per_block)
     if interpret is None:
@@ -234,7 +243,7 @@ def paged_decode_attention_tpu(
     )(
         lengths.astype(jnp.int32),
         page_tables.reshape(-1),
-        jnp.asarray(window, jnp.int32).reshape(1),
+        jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer]),
         q.reshape(batch, kv_heads, group, head_dim),
         k_pages,
         v_pages,

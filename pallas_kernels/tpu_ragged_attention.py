@@ -5,8 +5,9 @@ grid `(items, kv_heads)`, with each item's metadata and page-table row scalar-pr
 An item's query rows start at an arbitrary token, which a BlockSpec cannot express, so q stays in
 HBM and the item's `q_block` tokens are copied by one DMA into VMEM. K/V pages are copied page by
 page into a two-slot VMEM buffer, double-buffered across the blocks of pages the item can see
-(sliding window to causal end). Every DMA indexes whole refs (`.at[...]`), never reshaped refs; the
-reshapes are on loaded values. The block loop itself is `tpu_paged_attention.attend_page_blocks`,
+(sliding window to causal end), from layer `layer` (scalar-prefetched) of the stacked cache in
+place. Every DMA indexes whole refs (`.at[...]`), never reshaped refs; the reshapes are on loaded
+values. The block loop itself is `tpu_paged_attention.attend_page_blocks`,
 shared with the decode kernel. Outputs go to a per-item block and are read back per token.
 
 Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising); never run or
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import dot_precision
+from pallas_kernels._common import dot_precision, stacked_cache
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
 from pallas_kernels.tpu_paged_attention import attend_page_blocks, block_page_tables, default_interpret_params
 
@@ -34,10 +35,10 @@ def _ragged_kernel(
     # scalar prefetch (SMEM)
     meta_ref,  # [items * 4] int32
     page_tables_ref,  # [items * padded_pages] int32
-    window_ref,  # [1] int32
+    scalars_ref,  # [2] int32: window, layer
     # inputs
     q_hbm,  # [kv_heads, padded_tokens, group, head_dim] (HBM)
-    k_pages_hbm,  # [kv_heads, num_pages, page_size, head_dim] (HBM)
+    k_pages_hbm,  # [layers, kv_heads, num_pages, page_size, head_dim] (HBM)
     v_pages_hbm,
     # output
     o_ref,  # [q_block * group, head_dim]
@@ -61,7 +62,7 @@ def _ragged_kernel(
     row0 = meta_ref[item * _META + 1]
     q_len = meta_ref[item * _META + 2]
     kv_len = meta_ref[item * _META + 3]
-    window = window_ref[0]
+    window = scalars_ref[0]
 
     first_pos = kv_len - q_len + row0
     last_pos = kv_len - q_len + jnp.minimum(row0 + q_block, q_len) - 1
@@ -91,6 +92,7 @@ def _ragged_kernel(
         (jnp.maximum(last_pos + 1, 0) + block_k - 1) // block_k,
         page_ids_ref=page_tables_ref,
         page_offset=item * padded_pages,
+        layer=scalars_ref[1],
         head=h,
         k_pages_hbm=k_pages_hbm,
         v_pages_hbm=v_pages_hbm,
@@ -106,7 +108,7 @@ def _ragged_kernel(
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [total_tokens, q_heads, head_dim]
-    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array,  # [layers,] kv_heads, num_pages, page_size, head_dim
     v_pages: jax.Array,
     page_tables: jax.Array,  # [max_seqs, max_pages_per_seq] int32
     cu_q_lens: jax.Array,  # [max_seqs + 1] int32
@@ -116,13 +118,16 @@ def ragged_paged_attention_tpu(
     scale: float,
     softcap: float | None = None,
     window: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
     q_block: int | None = None,
     pages_per_block: int | None = None,
     interpret: pltpu.InterpretParams | bool | None = None,
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
-    """Ragged attention as a Pallas TPU kernel; same semantics as `ragged_paged_attention_reference`."""
+    """Ragged attention as a Pallas TPU kernel; same semantics as `ragged_paged_attention_reference`.
+    With `layer`, k_pages/v_pages are the stacked cache and only that layer's pages are read."""
+    k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     total, q_heads, head_dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
+    _, kv_heads, _, page_size, _ = k_pages.shape
     max_seqs = page_tables.shape[0]
     group = q_heads // kv_heads
     tq = q_block or max(default_q_block(total, max_seqs), -(-8 // group))  # >= 8 rows (one sublane tile)
@@ -163,7 +168,14 @@ def ragged_paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * group, head_dim), q.dtype),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention_tpu",
-    )(meta.reshape(-1), item_pages.reshape(-1), jnp.asarray(window, jnp.int32).reshape(1), qg, k_pages, v_pages)
+    )(
+        meta.reshape(-1),
+        item_pages.reshape(-1),
+        jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer]),
+        qg,
+        k_pages,
+        v_pages,
+    )
 
     out = out.reshape(kv_heads, num_items, tq, group, head_dim)[:, w.token_item, w.token_row]
     out = out.transpose(1, 0, 2, 3).reshape(total, q_heads, head_dim)

@@ -52,9 +52,17 @@ def test_bad_yaml_is_refused(tmp_path, capsys, yaml_text, message):
     assert message in capsys.readouterr().err
 
 
-def test_unimplemented_parallelism_is_refused():
-    with pytest.raises(ConfigError, match="tensor parallelism is not implemented"):
-        config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", "2"]))
+def test_tensor_parallel_size_beyond_the_devices_is_refused():
+    import jax
+
+    have = jax.local_device_count()
+    with pytest.raises(ConfigError, match=f"--tensor-parallel-size {have + 1} needs {have + 1} devices, but this "
+                       f"host has only {have} "):
+        config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", str(have + 1)]))
+    with pytest.raises(ConfigError, match="--tensor-parallel-size must be >= 1, got 0"):
+        config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", "0"]))
+    tp = config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", str(have)])).parallel
+    assert tp.tensor_parallel_size == have
 
 
 def test_default_model_is_the_packaged_smollm2():

@@ -1,11 +1,20 @@
 """The decoder's attention over the paged KV cache: write the step's new K/V, then attend.
 
-Returns an `AttentionFn` for `Decoder.hidden_states`; the whole KVCache is carried through the
-layer scan and indexed by the layer inside single scatter/gather ops.
+Returns an `AttentionFn` for `Decoder.hidden_states`; the whole KVCache ([layers, kv_heads, pages,
+page_size, head_dim] per K and V) is carried through the layer scan, and both the write and the
+attention take the layer index and touch only that layer's pages in place: slicing a layer out
+would make XLA copy the layer's entire cache on every layer of every step.
+
+Backends (`--attention-backend`): "reference" is the pure-jnp attention (the CPU serving path);
+"pallas_gpu" / "pallas_tpu" are the Pallas kernels of `pallas_kernels`. The CLI's "auto" is Pallas
+on a GPU or TPU and the reference on the CPU; "pallas" is the kernels of the machine, and on the CPU
+the GPU flavour run by the Pallas interpreter: correct but very slow, for tests and debugging only.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import jax
@@ -15,49 +24,111 @@ import pallas_kernels
 from jaxserve.engine.kv_cache import KVCache
 from jaxserve.models.decoder import AttentionFn
 
+log = logging.getLogger("jaxserve.engine")
+
+CHOICES = ("auto", "reference", "pallas")  # what --attention-backend accepts
+_PALLAS_OF_PLATFORM = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
+_PLATFORM_OF_PALLAS = {backend: platform for platform, backend in _PALLAS_OF_PLATFORM.items()}
+
+
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """The concrete backend ("reference", "pallas_gpu" or "pallas_tpu") of an --attention-backend
+    choice on `platform` (default: jax's default backend). Concrete names pass through."""
+    platform = platform or jax.default_backend()
+    if name in pallas_kernels.BACKENDS:
+        return name
+    if name == "auto":
+        # The kernels have only run in interpret mode so far (no GPU or TPU yet): until they are
+        # checked and timed on the devices, "auto" keeps XLA's reference everywhere and the
+        # kernels are opt-in with --attention-backend pallas.
+        return "reference"
+    if name == "pallas":
+        # The generic Pallas interpreter (GPU flavour) is much faster on the CPU than TPU interpret
+        # mode, which simulates every DMA and semaphore.
+        return _PALLAS_OF_PLATFORM.get(platform, "pallas_gpu")
+    raise ValueError(f"attention backend must be one of {CHOICES + pallas_kernels.BACKENDS}, got {name!r}")
+
+
+def is_interpreted(backend: str, platform: str | None = None) -> bool:
+    """Whether `backend`'s kernels would run in (slow) interpret mode on `platform`."""
+    platform = platform or jax.default_backend()
+    return backend in _PLATFORM_OF_PALLAS and _PLATFORM_OF_PALLAS[backend] != platform
+
+
+def describe_backend(backend: str, platform: str | None = None) -> str:
+    """One line for the start-up log."""
+    platform = platform or jax.default_backend()
+    if is_interpreted(backend, platform):
+        return (f"{backend} in Pallas interpret mode on {platform} (very slow: for testing the kernels only; "
+                "use --attention-backend reference to serve on the CPU)")
+    return backend if backend == "reference" else f"{backend} (Pallas kernels on {platform})"
+
+
+@functools.cache
+def _warn_interpreted(backend: str, platform: str) -> None:
+    # Once per process, not once per compiled bucket.
+    log.warning("attention backend %s", describe_backend(backend, platform))
+
 
 def write_layer(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
     """Scatter k, v [tokens, kv_heads, head_dim] into `layer` at flat slots (-1: dropped).
 
     One scatter per buffer on the full (donated, loop-carried) cache, so XLA updates it in place."""
-    _, _, num_pages, page_size, _ = cache.k.shape
-    valid = (slots >= 0) & (slots < num_pages * page_size)
-    page = jnp.where(valid, slots // page_size, num_pages)  # out of range -> dropped
-    offset = jnp.where(valid, slots % page_size, 0)
-    # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
-    new_k = cache.k.at[layer, :, page, offset].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[layer, :, page, offset].set(v.astype(cache.v.dtype), mode="drop")
+    new_k, new_v = pallas_kernels.write_kv(cache.k, cache.v, k, v, slots, layer=layer)
     return KVCache(new_k, new_v)
 
 
+def decode_only(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """Whether every live sequence of a ragged batch has exactly one new token (then token i is
+    sequence i's, and the decode kernel computes the same thing as the ragged one)."""
+    live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    return jnp.all(jnp.where(live, q_lens == 1, True)) & (cu_q_lens[0] == 0)
+
+
 def paged_attend(
-    slots: jax.Array,
-    page_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    kv_lens: jax.Array,
-    num_seqs: jax.Array,
+    slots: jax.Array,  # [T] int32 flat KV slot of each new token, -1 for padding
+    page_tables: jax.Array,  # [S, max_pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    kv_lens: jax.Array,  # [S] int32, including this step's tokens
+    num_seqs: jax.Array,  # [] int32
     *,
     scale: float,
     softcap: float | None,
     page_size: int,
     backend: str = "reference",
 ) -> AttentionFn:
+    """The step's attention: every bucket goes through the ragged attention of `backend`; with a
+    Pallas backend, a bucket shaped like decode (tokens == seqs) takes the decode kernel (which
+    splits long contexts over more programs) whenever the batch really is one token per sequence."""
+    backend = resolve_backend(backend)
+    if is_interpreted(backend):
+        _warn_interpreted(backend, jax.default_backend())
     ragged = pallas_kernels.get_ragged_attention(backend)
-    # The reference reads keys in chunks with a traced trip count that stops at the longest live
-    # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
-    if backend != "reference":
-        # The Pallas kernels take one layer's [kv_heads, pages, page_size, head_dim]; wiring them to
-        # the stacked cache (layer index as a scalar-prefetch argument) is the next step.
-        raise NotImplementedError(f"attention backend {backend!r} is not wired into the engine yet; use reference")
-    chunk_pages = max(1, 128 // page_size)
+    options: dict[str, Any] = {}
+    if backend == "reference":
+        # The reference reads keys in chunks with a traced trip count that stops at the longest live
+        # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
+        options["chunk_pages"] = max(1, 128 // page_size)
+    # A prefill bucket can have tokens == seqs too (e.g. 16 tokens, 16 seqs), so the shape alone does
+    # not prove decode; the check is one cond per layer on a few ints.
+    decode_shaped = backend != "reference" and slots.shape[0] == page_tables.shape[0]
+    decode = pallas_kernels.get_decode_attention(backend) if decode_shaped else None
+    use_decode = decode_only(cu_q_lens, num_seqs)
+    lengths = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs, kv_lens, 0)  # padding rows: 0 -> zeros
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, window: jax.Array, layer: jax.Array):
         # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
         cache = write_layer(cache, layer, k[0], v[0], slots)
-        out = ragged(
-            q[0], cache.k, cache.v, page_tables, cu_q_lens, kv_lens, num_seqs,
-            scale=scale, softcap=softcap, window=window, chunk_pages=chunk_pages, layer=layer,
-        )
+        common = dict(scale=scale, softcap=softcap, window=window, layer=layer)
+
+        def ragged_step() -> jax.Array:
+            return ragged(q[0], cache.k, cache.v, page_tables, cu_q_lens, kv_lens, num_seqs, **common, **options)
+
+        def decode_step() -> jax.Array:
+            return decode(q[0], cache.k, cache.v, page_tables, lengths, **common)
+
+        out = ragged_step() if decode is None else jax.lax.cond(use_decode, decode_step, ragged_step)
         return out[None], cache
 
     return attend

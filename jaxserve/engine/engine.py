@@ -26,7 +26,7 @@ from jaxserve.engine.request import (
     Sequence,
 )
 from jaxserve.engine.runner import Bucket, ModelRunner, build_inputs
-from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_batch
+from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_batch, mask_words
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.decoder import Decoder
 from jaxserve.tokenizer import Tokenizer
@@ -128,7 +128,8 @@ class Engine:
         for i in range(params.num_samples):
             seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
                            params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
-                           seed=(base_seed + i) % 2**32)
+                           seed=(base_seed + i) % 2**32,
+                           matcher=params.grammar.matcher() if params.grammar is not None else None)
             seqs.append(seq)
             texts.append(SequenceText(seq, self.tokenizer))
         req = _Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
@@ -243,7 +244,15 @@ class Engine:
             num_logprobs=want, processed_logprobs=p.processed_logprobs,
             output_tokens=seq.output_ids if penalised else (),
             prompt_tokens=seq.prompt_ids if p.repetition_penalty != 1.0 else (),
+            allowed_mask=self._grammar_mask(seq),
         )
+
+    def _grammar_mask(self, seq: Sequence) -> np.ndarray | None:
+        if seq.matcher is None:
+            return None
+        mask = np.empty(mask_words(self.vocab_size), np.uint32)
+        seq.matcher.fill_mask(mask)
+        return mask
 
     def _banned(self, seq: Sequence) -> list[int]:
         p = seq.params
@@ -261,18 +270,31 @@ class Engine:
     def _append(self, seq: Sequence, out: Any, row: int) -> None:
         token = int(out.token[row])
         p = seq.params
+        req = self.requests[seq.request_id]
+        text = req.texts[seq.sample_index]
+        grammar_done = False
+        if seq.matcher is not None:
+            # A complete match ends here whatever ignore_eos / min_tokens say: the grammar allows
+            # nothing else, and the masks never let EOS through before the match is complete.
+            grammar_done = token in self.eos_ids and seq.matcher.is_accepting()
+            if not grammar_done and not seq.matcher.advance(token):
+                # Only a matcher that hit its own limits gets here (its mask was empty).
+                error = seq.matcher.error() or f"token {token} is outside the grammar"
+                log.error("request %s: structured output stopped: %s", seq.request_id, error)
+                seq.stop_reason = f"structured output failed: {error}"
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                text.finish_text(stopped_by_string=False)
+                return
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(out.logprob[row])
         logprob = None
         if p.logprobs is not None:
             top = [(int(i), float(v)) for i, v in zip(out.top_ids[row][: p.logprobs], out.top_logprobs[row][: p.logprobs])]
             logprob = TokenLogprob(token, float(out.logprob[row]), top)
-        req = self.requests[seq.request_id]
-        text = req.texts[seq.sample_index]
         reason: FinishReason | None = None
         stop_reason: int | str | None = None
         past_min = seq.num_output_tokens > p.min_tokens
-        if token in self.eos_ids and not p.ignore_eos and past_min:
+        if grammar_done or (token in self.eos_ids and not p.ignore_eos and past_min):
             reason = FinishReason.STOP
         elif token in p.stop_token_ids and past_min:
             reason, stop_reason = FinishReason.STOP, token

@@ -10,7 +10,10 @@ import enum
 import itertools
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxserve.structured.matcher import Grammar, Matcher
 
 
 class InvalidRequestError(ValueError):
@@ -56,6 +59,9 @@ class SamplingParams:
     prompt_logprobs_start: int = 0  # first prompt position to report (echo / logprob_start_len)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output, compiled by the API layer (jaxserve.structured): every sampled token keeps
+    # the output a prefix of a match, and EOS is allowed only where the output is a complete match.
+    grammar: "Grammar | None" = None
 
     @property
     def num_samples(self) -> int:
@@ -160,6 +166,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop id or string that matched
     cumulative_logprob: float = 0.0
+    matcher: "Matcher | None" = None  # this sample's walk through params.grammar
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from jaxserve.engine import attention
 from jaxserve.engine.kv_cache import KVCache
 from jaxserve.engine.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
-from jaxserve.models.decoder import Decoder
+from jaxserve.models.decoder import AttentionFn, Decoder
+from jaxserve.parallel import ShardingPlan, mesh_of
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -81,13 +82,30 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(decoder)
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
-        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype)
         self.attention_backend = attention_backend
         cpu = jax.devices()[0].platform == "cpu"
         self.min_head_rows = 16 if cpu and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
         self._sampling_shape = sampling_shape
         self._compiled: dict[Bucket, Any] = {}
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
+        # step; weights on one device mean the plain single-device step.
+        self.mesh = mesh_of(self.params)
+        self._kv_sharding: jax.sharding.Sharding | None = None
+        kv_dtype = kv_dtype or decoder.dtype
+        if self.mesh is None:
+            self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype)
+            self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+            return
+        plan = ShardingPlan(self.mesh, self.cfg)
+        kv_sharding, replicated = plan.kv_cache(), plan.replicated()
+        self._kv_sharding = kv_sharding
+        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype, kv_sharding)
+        # GSPMD partitions the step from these annotations (and inserts the collectives); the host
+        # inputs and the sampled tokens are replicated, so every device agrees on every token.
+        params_sharding = jax.tree_util.tree_map(lambda a: a.sharding, self.params)
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             in_shardings=(params_sharding, kv_sharding, replicated),
+                             out_shardings=(kv_sharding, replicated, replicated))
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
@@ -97,6 +115,8 @@ class ModelRunner:
             scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap, page_size=self.page_size,
             backend=self.attention_backend,
         )
+        if self._kv_sharding is not None:
+            attend = _keep_cache_layout(attend, self._kv_sharding)
         hidden, kv = model.hidden_states(inp.tokens[None], inp.positions[None], attend, kv)
         rows = hidden[0, inp.sample_rows]  # [S, hidden]
         s = rows.shape[0]
@@ -159,6 +179,18 @@ class ModelRunner:
             raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
         self.kv, out, prompt = compiled(self.params, self.kv, inputs)
         return out, prompt
+
+
+def _keep_cache_layout(attend: AttentionFn, kv_sharding: jax.sharding.Sharding) -> AttentionFn:
+    """Pin the cache carried through the layer scan to its own sharding. Left free, GSPMD may
+    re-split a replicated cache inside the loop (to follow the q heads) and all-gather the whole
+    cache back after it: a full-cache collective on every step."""
+
+    def pinned(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, window: jax.Array, layer: jax.Array):
+        out, cache = attend(q, k, v, cache, window, layer)
+        return out, jax.lax.with_sharding_constraint(cache, kv_sharding)
+
+    return pinned
 
 
 def build_inputs(

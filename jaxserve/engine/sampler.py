@@ -9,7 +9,7 @@ that do not need it).
 
 Processing order (as vLLM's v1 sampler), per row:
 
-    raw logits -> [raw logprobs] -> logit_bias -> banned ids -> penalties (repetition, then
+    raw logits -> [raw logprobs] -> logit_bias -> grammar mask -> banned ids -> penalties (repetition, then
     frequency and presence) -> temperature -> [processed logprobs] -> min_p -> top_k -> top_p
     -> sample (greedy: argmax; otherwise Gumbel-max with noise from the row's own key)
 
@@ -41,6 +41,11 @@ Decisions worth knowing:
   of 300 entries, so every valid request fits one compiled shape — and `banned_ids` is
   `MAX_BANNED_IDS` ids per row. Padding is -1 (remapped on device to the out-of-range id V, which
   the scatters drop). The builder refuses rows that do not fit rather than drop entries.
+- **Structured output**: a constrained row brings a packed bitmask of the tokens its grammar allows
+  (`allowed`, bit t % 32 of word t // 32, filled on the host by the row's matcher). It is unpacked
+  with shifts (no gather) under a `lax.cond`, so batches without constrained rows pay nothing.
+  Unlike bans, the grammar mask is never lifted: if bans would leave a constrained row nothing, the
+  bans give way and the grammar stays.
 - **Penalties** need the token histories; a batch built with zero-width `output_tokens` and
   `prompt_tokens` (lo = lp = 0) compiles without the [B, V] count scatter at all, and otherwise a
   `lax.cond` skips it when no row in the batch is penalised.
@@ -87,6 +92,8 @@ class SamplingBatch:
     step: Array  # i32[B]; index of the token being sampled within the row's output
     num_logprobs: Array  # i32[B]; -1 none, 0 chosen token only, N also top-N
     processed_logprobs: Array  # bool[B]; False: raw model distribution; True: after bias/penalties/temperature
+    allowed: Array  # u32[B, ceil(V / 32)]; packed grammar mask (bit t % 32 of word t // 32)
+    constrained: Array  # bool[B]; the row's tokens are limited to `allowed`
 
 
 @struct.dataclass
@@ -103,6 +110,7 @@ def sample(logits: Array, batch: SamplingBatch) -> SampleOutput:
     """Sample one token per row from logits [B, V] (any float dtype; computed in float32)."""
     raw = logits.astype(jnp.float32)  # [B, V]
     x = _apply_bias(raw, batch.bias_ids, batch.bias_values)
+    x = jax.lax.cond(jnp.any(batch.constrained), _apply_grammar, lambda v, _: v, x, batch)
     x = _apply_bans(x, batch.banned_ids)
     x = _apply_penalties(x, batch)
 
@@ -140,6 +148,14 @@ def _row_index(ids: Array) -> Array:
 def _apply_bias(x: Array, bias_ids: Array, bias_values: Array) -> Array:
     ids = _padding_to_vocab(bias_ids, x.shape[-1])
     return x.at[_row_index(ids), ids].add(bias_values.astype(x.dtype), mode="drop")
+
+
+def _apply_grammar(x: Array, batch: SamplingBatch) -> Array:
+    rows, vocab_size = x.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (batch.allowed[:, :, None] >> shifts) & jnp.uint32(1)  # [B, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab_size].astype(bool)
+    return jnp.where(batch.constrained[:, None] & ~allowed, _NEG_INF, x)
 
 
 def _apply_bans(x: Array, banned_ids: Array) -> Array:
@@ -333,6 +349,7 @@ class RowParams:
     processed_logprobs: bool = False
     output_tokens: Sequence[int] = ()
     prompt_tokens: Sequence[int] = ()
+    allowed_mask: np.ndarray | None = None  # u32[ceil(V / 32)] from the row's grammar matcher
 
     @property
     def has_penalties(self) -> bool:
@@ -375,6 +392,9 @@ def make_sampling_batch(
     step = np.zeros(b, np.int32)
     num_logprobs = np.full(b, -1, np.int32)
     processed_logprobs = np.zeros(b, bool)
+    words = mask_words(vocab_size)
+    allowed = np.zeros((b, words), np.uint32)
+    constrained = np.zeros(b, bool)
 
     for i, row in enumerate(rows):
         if not -1 <= row.num_logprobs <= MAX_TOP_LOGPROBS:
@@ -403,6 +423,11 @@ def make_sampling_batch(
         if row.repetition_penalty != 1.0:
             ids = _checked_ids(row.prompt_tokens, lp, vocab_size, f"row {i}: prompt_tokens")
             prompt_tokens[i, : len(ids)] = ids
+        if row.allowed_mask is not None:
+            if row.allowed_mask.shape != (words,):
+                raise ValueError(f"row {i}: allowed_mask has shape {row.allowed_mask.shape}, expected ({words},)")
+            allowed[i] = row.allowed_mask
+            constrained[i] = True
 
     return SamplingBatch(
         temperature=temperature,
@@ -421,7 +446,14 @@ def make_sampling_batch(
         step=step,
         num_logprobs=num_logprobs,
         processed_logprobs=processed_logprobs,
+        allowed=allowed,
+        constrained=constrained,
     )
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words in a packed mask over the vocabulary."""
+    return (vocab_size + 31) // 32
 
 
 def _checked_ids(ids: Iterable[int], width: int, vocab_size: int, what: str) -> np.ndarray:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Awaitable, Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, jsonify, request
 
+from jaxserve.config import StructuredOutputConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import openai, sglang, triton
+from jaxserve.server import classify, openai, sglang, triton
 from jaxserve.server.auth import check_bearer
 from jaxserve.server.errors import error_response, protocol_of
 from jaxserve.server.generation import ServerState
@@ -36,7 +38,11 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     request_timeout: float | None = None,
+    structured: StructuredOutputConfig = StructuredOutputConfig(),
+    warm_structured: bool = False,
 ) -> Quart:
+    """warm_structured starts the constraint compile workers now (a served process) rather than
+    at the first constrained request (tests)."""
     if max_request_bytes < 1 or max_concurrent_requests < 1:
         raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
                          f"({max_concurrent_requests}) must be >= 1")
@@ -53,8 +59,15 @@ def create_app(
         engine=async_engine, tokenizer=tokenizer, model_name=served_model_name, max_model_len=max_model_len,
         max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
         metrics=_metrics(served_model_name, async_engine),
+        structured=structured,
     )
     app.extensions["jaxserve"] = state
+    if warm_structured:
+        threading.Thread(target=lambda: state.grammars.warm_up(), name="jaxserve-grammar-warmup", daemon=True).start()
+
+    @app.after_serving
+    async def close_grammars() -> None:
+        state.close_grammars()
     keys = tuple(k.encode() for k in api_keys)
 
     @app.before_request
@@ -85,6 +98,7 @@ def create_app(
     openai.register(app, state)
     sglang.register(app, state)
     triton.register(app, state)
+    classify.register_refusals(app, state)  # a generation model has no classification head
     return app
 
 

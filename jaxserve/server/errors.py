@@ -121,10 +121,21 @@ def triton_body(e: ApiError) -> dict[str, Any]:
     return {"error": e.message}
 
 
+# vLLM's / SGLang's error type names, which /v1/classify clients see in its flat error body.
+_CLASSIFY_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError",
+                   413: "RequestTooLargeError", 429: "TooManyRequestsError", 500: "InternalServerError",
+                   503: "ServiceUnavailableError"}
+
+
+def classify_body(e: ApiError) -> dict[str, Any]:
+    return {"error": e.message, "type": _CLASSIFY_TYPES.get(e.status, "BadRequestError"), "code": e.status}
+
+
 BODIES: dict[str, Callable[[ApiError], dict[str, Any]]] = {
     "openai": openai_body,
     "sglang": sglang_body,
     "triton": triton_body,
+    "classify": classify_body,
 }
 
 
@@ -133,6 +144,8 @@ def protocol_of(path: str) -> str:
         return "triton"
     if path in ("/generate", "/abort_request", "/get_model_info", "/health_generate"):
         return "sglang"
+    if path in ("/v1/classify", "/classify"):
+        return "classify"
     return "openai"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import uuid
 import weakref
@@ -20,6 +21,10 @@ from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server.errors import ApiError
 from jaxserve.server.metrics import Metrics
+from jaxserve.config import StructuredOutputConfig
+from jaxserve.structured.compiler import GrammarCompiler
+from jaxserve.structured.spec import GuideSpec
+from jaxserve.structured.vocabulary import token_vocabulary
 from jaxserve.tokenizer import Tokenizer
 
 TIMEOUT = "timeout"  # the finish reason of a request cut by --request-timeout
@@ -34,14 +39,35 @@ class ServerState:
     max_concurrent_requests: int
     request_timeout: float | None
     metrics: Metrics
+    structured: StructuredOutputConfig = StructuredOutputConfig()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False
     flights: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+    _grammars: GrammarCompiler | None = None
+    _grammars_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def vocab_size(self) -> int:
         return self.engine.engine.vocab_size
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, built at first use (its vocabulary takes ~0.5 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                cfg = self.structured
+                vocabulary = token_vocabulary(self.tokenizer.hf, sorted(self.engine.engine.eos_ids))
+                self._grammars = GrammarCompiler(vocabulary, self.tokenizer.hf, timeout_s=cfg.timeout_s,
+                                                 max_index_bytes=cfg.max_mib << 20, cache_entries=cfg.cache_entries,
+                                                 workers=cfg.workers)
+            return self._grammars
+
+    def close_grammars(self) -> None:
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+                self._grammars = None
 
     def flight(self) -> "Flight":
         """Admit one HTTP request, or refuse at once (no unbounded queue)."""
@@ -236,6 +262,13 @@ async def merged(streams: list[EngineStream]) -> AsyncIterator[tuple[int, Reques
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def attach_grammar(state: ServerState, params: SamplingParams, spec: GuideSpec | None) -> None:
+    """Compile the request's constraint (cached, off the event loop) into params.grammar."""
+    if spec is not None:
+        compiler = state.grammars if state._grammars is not None else await asyncio.to_thread(lambda: state.grammars)
+        params.grammar = await compiler.get_async(spec)
 
 
 def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:

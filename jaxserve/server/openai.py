@@ -13,7 +13,18 @@ from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
-from jaxserve.server.generation import ServerState, bad_words_ids, merged, new_id, route, token_text
+from jaxserve.server.generation import (
+    ServerState,
+    attach_grammar,
+    bad_words_ids,
+    merged,
+    new_id,
+    route,
+    token_text,
+)
+from jaxserve.server.tools import ForcedTools, forced_tools
+from jaxserve.structured import spec as guide
+from jaxserve.structured.spec import GuideSpec
 from jaxserve.server.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -62,13 +73,54 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
     )
 
 
+def guide_spec(req: SamplingFields) -> GuideSpec | None:
+    """The request's structured-output constraint: OpenAI's response_format, vLLM's guided_*
+    extras, or vLLM's structured_outputs object; more than one -> 400."""
+    found = [
+        guide.json_schema(req.guided_json, "guided_json") if req.guided_json is not None else None,
+        guide.regex(req.guided_regex, "guided_regex") if req.guided_regex is not None else None,
+        guide.choice(req.guided_choice, "guided_choice") if req.guided_choice is not None else None,
+        guide.grammar(req.guided_grammar, "guided_grammar") if req.guided_grammar is not None else None,
+        _response_format(req.response_format),
+        _structured_outputs(req.structured_outputs),
+    ]
+    return guide.only_one(found)
+
+
+def _response_format(fmt: Any) -> GuideSpec | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return guide.json_object("response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ApiError(400, "response_format.json_schema: expected {\"name\", \"schema\", \"strict\"?} with a "
+                           "schema", "response_format")
+        return guide.json_schema(spec["schema"], "response_format.json_schema.schema")
+    raise ApiError(400, f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   "response_format")
+
+
+def _structured_outputs(so: Any) -> GuideSpec | None:
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise ApiError(400, "structured_outputs: expected an object", "structured_outputs")
+    makers = {"json": guide.json_schema, "regex": guide.regex, "choice": guide.choice, "grammar": guide.grammar}
+    unknown = sorted(set(so) - set(makers) - {"json_object"})
+    if unknown:
+        raise ApiError(400, f"structured_outputs: unknown key(s) {unknown}", "structured_outputs")
+    found = [makers[k](v, f"structured_outputs.{k}") for k, v in so.items() if k in makers and v is not None]
+    if so.get("json_object"):
+        found.append(guide.json_object("structured_outputs.json_object"))
+    return guide.only_one(found)
+
+
 def _refuse_unsupported(req: SamplingFields) -> None:
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-        if getattr(req, name) is not None:
-            raise not_supported(name, "structured output")
-    fmt = req.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise not_supported("response_format", "structured output")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
@@ -185,6 +237,7 @@ async def completions(state: ServerState) -> Response:
         raise not_supported("suffix", "suffix (insertion)")
     prompts = completion_prompts(state, req)
     params = sampling_params(state, req, req.max_tokens, req.logprobs)
+    await attach_grammar(state, params, guide_spec(req))
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
     request_id = new_id("cmpl")
@@ -301,8 +354,7 @@ async def chat_completions(state: ServerState) -> Response:
     check_model(state, req.model)
     if req.continue_final_message:
         raise not_supported("continue_final_message", "continue_final_message")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise not_supported("tool_choice", "forced tool calls")
+    forced = forced_tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
     if req.prompt_token_ids is not None:
@@ -318,6 +370,7 @@ async def chat_completions(state: ServerState) -> Response:
                              req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    await attach_grammar(state, params, guide.only_one([guide_spec(req), forced.spec if forced else None]))
     request_id = new_id("chatcmpl")
     flight = state.flight()
     handed_off = False
@@ -325,7 +378,8 @@ async def chat_completions(state: ServerState) -> Response:
         await flight.submit(request_id, prompt, params, req.priority)
         if req.stream:
             handed_off = True
-            return sse.sse_response(flight.guard(_chat_stream(state, req, request_id, prompt, flight.streams)))
+            return sse.sse_response(flight.guard(_chat_stream(state, req, request_id, prompt, flight.streams,
+                                                              forced)))
         (res,) = await flight.collect()
     finally:
         if not handed_off:
@@ -336,6 +390,9 @@ async def chat_completions(state: ServerState) -> Response:
                   "logprobs": (chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
                                if o.logprobs is not None else None),
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        if forced is not None and o.finish_reason == "stop":  # complete, so it parses
+            choice["message"] |= {"content": None, "tool_calls": forced.calls(o.text)}
+            choice["finish_reason"] = _tool_finish(forced)
         if req.return_token_ids:
             choice["token_ids"] = o.token_ids  # vLLM's place; the message carries both lists too
             choice["message"] |= {"prompt_token_ids": prompt, "completion_token_ids": o.token_ids}
@@ -351,8 +408,15 @@ async def chat_completions(state: ServerState) -> Response:
     return jsonify(body)
 
 
+def _tool_finish(forced: ForcedTools) -> str:
+    # vLLM's choice: a named function ends as an ordinary "stop"; "required" says "tool_calls".
+    return "stop" if forced.function is not None else "tool_calls"
+
+
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
-                       streams: list) -> AsyncIterator[bytes]:
+                       streams: list, forced: ForcedTools | None = None) -> AsyncIterator[bytes]:
+    """With forced tool calls, the arguments are held back and sent as one tool_calls delta once
+    the constrained output is complete (a cut output is sent as text)."""
     created = int(time.time())
     include_usage, continuous = _usage_options(req)
     total = _Usage([prompt])
@@ -370,11 +434,23 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}],
                         **({"prompt_token_ids": prompt} if req.return_token_ids and index == 0 else {}))
+        held: dict[int, str] = {}
         async for i, delta in merged(streams):
             total.add(i, delta)
             for o in delta.outputs:
-                choice = {"index": o.index, "delta": {"content": o.text} if o.text or not o.finish_reason else {},
-                          "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                text, message = o.text, {}
+                if forced is not None:
+                    held[o.index] = held.get(o.index, "") + o.text
+                    text = ""
+                    if o.finish_reason == "stop":
+                        calls = forced.calls(held[o.index])
+                        message = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                    elif o.finish_reason is not None:
+                        text = held[o.index]
+                delta_body = ({"content": text} if text or not o.finish_reason else {}) | message
+                choice = {"index": o.index, "delta": delta_body, "logprobs": None,
+                          "finish_reason": _tool_finish(forced) if message else o.finish_reason,
+                          "stop_reason": o.stop_reason}
                 if o.logprobs is not None:
                     choice["logprobs"] = chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
                 if req.return_token_ids:

@@ -49,8 +49,8 @@ class SamplingFields(_Strict):
     bad_words: list[str] | None = None
     return_token_ids: bool = False
     priority: int = 0
-    # Known but not implemented yet: refused with a 400 naming them.
     prompt_logprobs: int | None = None
+    # Structured output (jaxserve.structured); checked by openai.guide_spec.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None

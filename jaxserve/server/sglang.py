@@ -13,8 +13,10 @@ from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
-from jaxserve.server.generation import EngineStream, ServerState, merged, new_id, route, token_text
+from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, merged, new_id, route, token_text
 from jaxserve.server.openai import parse
+from jaxserve.structured import spec as guide
+from jaxserve.structured.spec import GuideSpec
 
 
 class SGLangSamplingParams(BaseModel):
@@ -70,10 +72,18 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
+def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
+    """SGLang's constraint fields: regex, json_schema (a JSON string), ebnf (GBNF); one at most."""
+    if sp.structural_tag is not None:
+        raise not_supported("sampling_params.structural_tag", "structural_tag")
+    return guide.only_one([
+        guide.regex(sp.regex, "sampling_params.regex") if sp.regex is not None else None,
+        guide.json_schema(sp.json_schema, "sampling_params.json_schema") if sp.json_schema is not None else None,
+        guide.grammar(sp.ebnf, "sampling_params.ebnf") if sp.ebnf is not None else None,
+    ])
+
+
 def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
-    for name in ("regex", "json_schema", "ebnf", "structural_tag"):
-        if getattr(sp, name) is not None:
-            raise not_supported(f"sampling_params.{name}", "structured output")
     try:
         bias = {int(k): v for k, v in sp.logit_bias.items()} if sp.logit_bias else None
     except ValueError:
@@ -140,6 +150,8 @@ async def generate(state: ServerState) -> Response:
         raise ApiError(400, "rid: a batch takes a list of rids, one per prompt", "rid")
     rids = _per_prompt(req.rid, len(prompts), "rid")
     params = [_params(sp, req) for sp in sps]
+    for sp, p in zip(sps, params):
+        await attach_grammar(state, p, guide_spec(sp))
     flight = state.flight()
     handed_off = False
     try:

@@ -13,7 +13,9 @@ from quart import Quart, Response, jsonify, request
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sse
 from jaxserve.server.errors import ApiError, error_event
-from jaxserve.server.generation import ServerState, bad_words_ids, new_id, route
+from jaxserve.server.generation import ServerState, attach_grammar, bad_words_ids, new_id, route
+from jaxserve.structured import spec as guide
+from jaxserve.structured.spec import GuideSpec
 
 VERSION = "1"
 
@@ -37,7 +39,9 @@ _PARAMS: dict[str, tuple[str, tuple[type, ...]]] = {
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
 }
-_ACCEPTED = set(_PARAMS) | {"stop", "stop_words", "bad_words", "stream", "exclude_input_in_output", "end_id"}
+_GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar"}
+_ACCEPTED = set(_PARAMS) | _GUIDES | {"stop", "stop_words", "bad_words", "stream", "exclude_input_in_output",
+                                      "end_id"}
 _TOP_LEVEL = {"id", "text_input", "parameters"}
 
 
@@ -95,6 +99,13 @@ def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**fields, stop=stop, bad_words_ids=bad_words_ids(state.tokenizer, bad) if bad else None)
 
 
+def guide_spec(params: dict[str, Any]) -> GuideSpec | None:
+    """SGLang's regex / json_schema and vLLM's guided_* names, as Triton parameters."""
+    makers = {"regex": guide.regex, "guided_regex": guide.regex, "json_schema": guide.json_schema,
+              "guided_json": guide.json_schema, "guided_choice": guide.choice, "guided_grammar": guide.grammar}
+    return guide.only_one([make(params[k], k) for k, make in makers.items() if params.get(k) is not None])
+
+
 async def _parse(state: ServerState, name: str, version: str | None) -> tuple[dict[str, Any], SamplingParams, dict]:
     _check_model(state, name, version)
     try:
@@ -112,7 +123,9 @@ async def _parse(state: ServerState, name: str, version: str | None) -> tuple[di
     for flag in ("stream", "exclude_input_in_output"):
         if flag in params and not isinstance(params[flag], bool):
             raise ApiError(400, f"{flag}: expected a boolean", flag)
-    return body, _sampling(state, params), params
+    sampling = _sampling(state, params)
+    await attach_grammar(state, sampling, guide_spec(params))
+    return body, sampling, params
 
 
 def _response(state: ServerState, body: dict[str, Any], text: str) -> dict[str, Any]:

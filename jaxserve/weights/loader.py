@@ -157,9 +157,12 @@ def load_model(
     cache_dir: Path | None = None,
     use_cache: bool = True,
     sharding: ShardingFn = single_device_sharding,
+    sharding_for: Callable[[DecoderConfig], ShardingFn] | None = None,
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
-    checkpoint of the converted parameters under cache_dir and later loads restore from it."""
+    checkpoint of the converted parameters under cache_dir and later loads restore from it.
+    sharding_for, when given, builds the sharding callback from the model's config (tensor
+    parallelism needs the head counts, which are only known once the checkpoint is read)."""
     start = time.perf_counter()
     source = resolve(model)
     cached = None
@@ -170,6 +173,8 @@ def load_model(
     hf_config = orbax_cache.read_config(cached) if cached is not None else None
     cfg = decoder_config_from_hf(hf_config or source.config)
     jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform)
+    if sharding_for is not None:
+        sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
     if weights_dir is not None and orbax_cache.exists(weights_dir):
         graphdef, state, tree = abstract_model(cfg, jdtype)

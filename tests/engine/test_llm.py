@@ -24,3 +24,12 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     assert [o.prompt_token_ids for o in outs] == prompts
     text = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(text) == 1 and len(text[0].outputs[0].token_ids) == 3 and text[0].outputs[0].finish_reason == "length"
+    # Structured output offline: a compiled constraint rides on SamplingParams.
+    grammar = llm.structured(choice=["w7", "w9"])
+    out = llm.generate([[1, 5]], SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=4, grammar=grammar),
+                       use_tqdm=False)[0]
+    # (The word-level test tokenizer decodes with a space between words, prompt included.)
+    assert [o.text.strip() in ("w7", "w9") and o.finish_reason == "stop" for o in out.outputs] == [True] * 4
+    with pytest.raises(ValueError, match="one kind of structured output"):
+        llm.structured(regex="w1", choice=["w2"])
+    llm.close()

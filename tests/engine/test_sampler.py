@@ -314,6 +314,45 @@ def test_a_row_with_everything_banned_ignores_the_ban_and_stays_finite():
     np.testing.assert_allclose(out.logprob[0], _log_softmax(logits[0])[out.token[0]], rtol=1e-5)
 
 
+def _packed(tokens: list[int], vocab: int = V) -> np.ndarray:
+    bits = np.zeros(((vocab + 31) // 32) * 32, np.uint8)
+    bits[tokens] = 1
+    return np.packbits(bits, bitorder="little").view(np.uint32)
+
+
+def test_grammar_mask_limits_constrained_rows_only():
+    allowed = [1, 33, 62]  # across words 0 and 1
+    logits = np.zeros(V, np.float32)
+    logits[[0, 5, 40]] = 8.0  # strongly preferred, but outside the grammar
+    tokens = _draw(logits, RowParams(temperature=1.0, seed=5, allowed_mask=_packed(allowed)), n=NUM_DRAWS)
+    _assert_distribution(tokens, np.isin(np.arange(V), allowed).astype(float))
+    rows = [RowParams(temperature=0.0, allowed_mask=_packed(allowed), num_logprobs=2),
+            RowParams(temperature=0.0, num_logprobs=2)]  # unconstrained neighbour: untouched
+    out = _run(np.stack([logits, logits] + [logits] * (B - 2)), rows)
+    assert out.token[0] in allowed and out.token[1] in (0, 5, 40)
+    # Logprobs stay those of the model's raw distribution (vLLM's default), grammar or not.
+    np.testing.assert_allclose(out.logprob[0], _log_softmax(logits)[out.token[0]], rtol=1e-5)
+
+
+def test_bans_give_way_to_the_grammar_never_the_reverse():
+    logits = _logits(12)[0]
+    grammar = [3, 9]
+    rows = [
+        RowParams(temperature=0.0, allowed_mask=_packed(grammar), banned_ids=[3]),  # 9 is left
+        RowParams(temperature=1.0, seed=2, allowed_mask=_packed(grammar), banned_ids=[3, 9]),  # nothing left
+        RowParams(temperature=0.0, allowed_mask=_packed([7]), logit_bias={7: -100.0}),  # bias cannot escape
+    ]
+    out = _run(np.tile(logits, (B, 1)), rows)
+    assert out.token[0] == 9
+    assert out.token[1] in grammar
+    assert out.token[2] == 7
+
+
+def test_grammar_mask_shape_is_checked():
+    with pytest.raises(ValueError, match="allowed_mask has shape"):
+        make_sampling_batch([RowParams(allowed_mask=np.zeros(3, np.uint32))], V, 1, 0, 0)
+
+
 # ---------------------------------------------------------------------------------------- logprobs
 
 

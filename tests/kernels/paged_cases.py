@@ -72,6 +72,21 @@ def make_cache(
     return PagedCache(k, v, page_tables, np.asarray(kv_lens, np.int32))
 
 
+def stack_layers(pages: np.ndarray, rng: np.random.Generator, *, layer: int, num_layers: int) -> np.ndarray:
+    """One layer's pages inside an engine-style stacked cache [num_layers, kv_heads, num_pages,
+    page_size, head_dim]: the layers below `layer` hold NaN, those above finite random values, so a
+    kernel that reads any other layer returns NaN or a wrong value."""
+    layers = []
+    for i in range(num_layers):
+        if i == layer:
+            layers.append(pages)
+        elif i < layer:
+            layers.append(np.full_like(pages, np.nan))
+        else:
+            layers.append(rng.standard_normal(pages.shape).astype(pages.dtype))
+    return np.stack(layers)
+
+
 def dense_kv(cache: PagedCache, b: int) -> tuple[np.ndarray, np.ndarray]:
     """Sequence b's keys and values as float64 [kv_len, kv_heads, head_dim], read token by token."""
     page_size = cache.k_pages.shape[2]
@@ -207,11 +222,15 @@ def ragged_case(seed, *, group, dtype, seqs=None, max_seqs=8, total_tokens=48, h
     )
 
 
-def run_ragged(batch, fn=None, **kw):
+def run_ragged(batch, fn=None, *, stacked=None, layer=None, **kw):
+    """`fn` (default: the reference) on the batch, jitted; with `stacked` = (k, v) stacked caches,
+    reads layer `layer` of them (passed traced, as in the engine's layer scan)."""
     if fn is None:
         from pallas_kernels import ragged_paged_attention_reference as fn
-    f = jax.jit(functools.partial(fn, **kw))
     c = batch.cache
-    return f(batch.q, c.k_pages, c.v_pages, c.page_tables, batch.cu_q_lens, c.kv_lens, jnp.int32(batch.num_seqs))
+    k, v = stacked if stacked is not None else (c.k_pages, c.v_pages)
+    extra = {} if layer is None else dict(layer=jnp.int32(layer))
+    f = jax.jit(functools.partial(fn, **kw))
+    return f(batch.q, k, v, c.page_tables, batch.cu_q_lens, c.kv_lens, jnp.int32(batch.num_seqs), **extra)
 
 

@@ -294,3 +294,69 @@ def test_references_read_one_layer_of_a_stacked_cache(chunk_pages):
         q, k_all, v_all, cache.page_tables, cache.kv_lens, layer=jnp.int32(0))
     np.testing.assert_allclose(np.asarray(out), naive_decode(q.astype(np.float64), cache, scale=0.3),
                                **TOLERANCES["float32"])
+
+
+def _stacked_decode_args(**over):
+    args = _decode_args()
+    args["k_pages"] = np.stack([args["k_pages"]] * 3)
+    args["v_pages"] = np.stack([args["v_pages"]] * 3)
+    args["layer"] = np.int32(2)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(layer=None), r"pass layer="),
+        (dict(layer=np.int32(3)), r"layer = 3 is out of range \[0, 3\)"),
+        (dict(layer=np.int32(-1)), "out of range"),
+        (dict(layer=np.zeros(2, np.int32)), "layer must be an integer scalar"),
+        (dict(layer=1.0), "layer must be an integer scalar"),
+        (dict(v_pages=np.zeros((2, 3, 4, PAGE, 16), np.float32)), "v_pages must have shape"),
+        (dict(page_tables=np.full((2, MAX_PAGES), 999, np.int32)), r"num_pages = k_pages.shape\[-3\]"),
+    ],
+)
+def test_validators_check_the_layer_of_a_stacked_cache(over, match):
+    validate_decode_inputs(**_stacked_decode_args())
+    with pytest.raises(ValueError, match=match):
+        validate_decode_inputs(**_stacked_decode_args(**over))
+
+
+def test_validators_take_a_traced_layer_and_refuse_layer_with_one_layer_pages():
+    args = _stacked_decode_args()
+    jax.jit(lambda layer: validate_decode_inputs(**{**args, "layer": layer}) or 0)(jnp.int32(1))
+    ragged = _ragged_args()
+    with pytest.raises(ValueError, match="layer= needs the stacked cache"):
+        validate_ragged_inputs(**ragged, layer=np.int32(0))
+    stacked = {**ragged, "k_pages": ragged["k_pages"][None], "v_pages": ragged["v_pages"][None]}
+    validate_ragged_inputs(**stacked, layer=np.int32(0))
+    with pytest.raises(ValueError, match="pass layer="):
+        validate_ragged_inputs(**stacked)
+    q, cache = decode_case(0, group=2, dtype="float32")
+    with pytest.raises(ValueError, match="pass layer="):  # the references check it too (statically)
+        paged_decode_attention_reference(q, cache.k_pages[None], cache.v_pages[None], cache.page_tables,
+                                         cache.kv_lens, scale=1.0)
+
+
+def test_write_kv_writes_one_layer_of_a_stacked_cache_in_place():
+    rng = np.random.default_rng(1)
+    layers, kv_heads, num_pages, page_size, head_dim = 3, 2, 4, 4, 8
+    shape = (layers, kv_heads, num_pages, page_size, head_dim)
+    k_pages = rng.standard_normal(shape).astype(np.float32)
+    v_pages = rng.standard_normal(shape).astype(np.float32)
+    slots = np.array([13, -1, 0, 7, 99], np.int32)  # 99: past the cache, dropped like padding
+    k_new = rng.standard_normal((5, kv_heads, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((5, kv_heads, head_dim)).astype(np.float32)
+    validate_write_inputs(k_pages, v_pages, k_new, v_new, np.where(slots > 15, -1, slots), layer=np.int32(1))
+    with pytest.raises(ValueError, match="pass layer="):
+        validate_write_inputs(k_pages, v_pages, k_new, v_new, slots)
+    f = jax.jit(functools.partial(write_kv), donate_argnums=(0, 1))
+    k_out, v_out = f(jnp.asarray(k_pages), jnp.asarray(v_pages), k_new, v_new, slots, layer=jnp.int32(1))
+    k_exp, v_exp = k_pages.copy(), v_pages.copy()
+    for i, s in enumerate(slots):
+        if 0 <= s < num_pages * page_size:
+            k_exp[1, :, s // page_size, s % page_size] = k_new[i]
+            v_exp[1, :, s // page_size, s % page_size] = v_new[i]
+    np.testing.assert_array_equal(np.asarray(k_out), k_exp)
+    np.testing.assert_array_equal(np.asarray(v_out), v_exp)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks import kernels as bench
+# `benchmarks` is a top-level package of the repository, not installed: importable under
+# `python -m pytest` (which puts the working directory on sys.path) but not under plain `pytest`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import kernels as bench  # noqa: E402
 
 
 def test_defaults_are_the_issue_grid():
@@ -18,7 +23,7 @@ def test_defaults_are_the_issue_grid():
     assert args.prefill_chunk == [512, 2048]
 
 
-@pytest.mark.parametrize("argv", [["--batch", "0"], ["--q-heads", "6"], ["--dtype", "int8"]])
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--q-heads", "6"], ["--dtype", "int8"], ["--layers", "0"]])
 def test_bad_arguments_are_rejected(argv):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
@@ -36,7 +41,7 @@ def test_refuses_without_a_gpu(capsys):
 def test_smoke_run_on_cpu(tmp_path):
     """The whole script end to end at toy sizes (kernels interpreted), so it does not first break on the H100."""
     out = tmp_path / "k.json"
-    argv = "--allow-cpu --batch 2 --context 32 --page-size 16 --q-heads 4 --kv-heads 2 --head-dim 16"
+    argv = "--allow-cpu --batch 2 --context 32 --page-size 16 --q-heads 4 --kv-heads 2 --head-dim 16 --layers 2"
     argv += f" --prefill-chunk 32 --prefill-seqs 2 --warmup 1 --repeats 1 --inner 1 --out {out}"
     assert bench.main(argv.split()) == 0
     result = json.loads(out.read_text())

@@ -2,8 +2,10 @@
 
 GPU kernels run through the generic Pallas interpreter (`interpret=True`); TPU kernels through TPU
 interpret mode (`pltpu.InterpretParams`: simulated HBM/VMEM/DMAs/semaphores, out-of-bounds reads
-raising, uninitialised memory NaN). Shapes are tiny because interpretation is slow; tolerances are
-the per-dtype ones of `paged_cases.TOLERANCES`.
+raising, uninitialised memory NaN). The kernels read the engine's layout: the stacked cache
+[layers, kv_heads, pages, page_size, head_dim] and a traced layer index, with the other layers
+poisoned (NaN below, other finite values above). Shapes are tiny because interpretation is slow;
+tolerances are the per-dtype ones of `paged_cases.TOLERANCES`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_cases import DECODE_LENGTHS, TOLERANCES, decode_case, naive_decode, naive_ragged, ragged_case, run_ragged
+from paged_cases import (
+    DECODE_LENGTHS,
+    TOLERANCES,
+    decode_case,
+    naive_decode,
+    naive_ragged,
+    ragged_case,
+    run_ragged,
+    stack_layers,
+)
 
 from pallas_kernels import (
     get_decode_attention,
@@ -25,19 +36,27 @@ from pallas_kernels import (
 )
 
 DECODE_BACKENDS = ["pallas_gpu", "pallas_tpu"]
+NUM_LAYERS = 3
 
 
-def check_decode(backend, q, cache, *, windows=(0,), **kw):
+def stacked(cache, layer, seed=0):
+    """The case's pages as layer `layer` of a NUM_LAYERS stacked cache (the other layers poisoned)."""
+    rng = np.random.default_rng(seed)
+    return tuple(stack_layers(p, rng, layer=layer, num_layers=NUM_LAYERS) for p in (cache.k_pages, cache.v_pages))
+
+
+def check_decode(backend, q, cache, *, windows=(0,), layer=1, **kw):
     kernel = jax.jit(functools.partial(get_decode_attention(backend), **kw))
     reference = jax.jit(functools.partial(paged_decode_attention_reference, scale=kw["scale"], softcap=kw.get("softcap")))
     dtype = str(np.dtype(q.dtype))
-    args = (q, cache.k_pages, cache.v_pages, cache.page_tables, cache.kv_lens)
-    for window in windows:  # traced: one compile for all windows
-        out = kernel(*args, window=jnp.int32(window))
+    k_all, v_all = stacked(cache, layer)
+    args = (q, k_all, v_all, cache.page_tables, cache.kv_lens)
+    for window in windows:  # traced, like the layer: one compile for all windows
+        out = kernel(*args, window=jnp.int32(window), layer=jnp.int32(layer))
         assert out.dtype == q.dtype and out.shape == q.shape
         out = np.asarray(out, np.float64)
-        assert np.isfinite(out).all(), "NaN from an unused page leaked into the result"
-        ref = np.asarray(reference(*args, window=jnp.int32(window)), np.float64)
+        assert np.isfinite(out).all(), "NaN from an unused page or another layer leaked into the result"
+        ref = np.asarray(reference(*args, window=jnp.int32(window), layer=jnp.int32(layer)), np.float64)
         np.testing.assert_allclose(out, ref, **TOLERANCES[dtype])
         naive = naive_decode(q.astype(np.float64), cache, scale=kw["scale"], softcap=kw.get("softcap"), window=window)
         np.testing.assert_allclose(out, naive, **TOLERANCES[dtype])
@@ -48,7 +67,7 @@ def check_decode(backend, q, cache, *, windows=(0,), **kw):
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_kernel_gqa_and_window(backend, group):
     q, cache = decode_case(group, group=group, dtype="float32")
-    check_decode(backend, q, cache, scale=0.25, windows=(0, 3))
+    check_decode(backend, q, cache, scale=0.25, windows=(0, 3), layer=group % NUM_LAYERS)
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -73,15 +92,18 @@ def test_decode_kernel_block_and_split_options(backend, options):
     check_decode(backend, q, cache, scale=0.3, windows=(5,), **options)
 
 
-def check_ragged(backend, batch, *, windows=(0,), **kw):
+def check_ragged(backend, batch, *, windows=(0,), layer=1, **kw):
     kernel = get_ragged_attention(backend)
     dtype = str(np.dtype(batch.q.dtype))
+    pages = stacked(batch.cache, layer)
     for window in windows:
-        out = np.asarray(run_ragged(batch, kernel, window=jnp.int32(window), **kw), np.float64)
+        out = np.asarray(run_ragged(batch, kernel, stacked=pages, layer=layer, window=jnp.int32(window), **kw))
+        out = out.astype(np.float64)
         assert out.shape == batch.q.shape
-        assert np.isfinite(out).all(), "NaN from an unused page or a padding row leaked into the result"
+        assert np.isfinite(out).all(), "NaN from an unused page, another layer or a padding row leaked"
         ref_kw = dict(scale=kw["scale"], softcap=kw.get("softcap"), window=jnp.int32(window))
-        ref = np.asarray(run_ragged(batch, ragged_paged_attention_reference, **ref_kw), np.float64)
+        ref = run_ragged(batch, ragged_paged_attention_reference, stacked=pages, layer=layer, **ref_kw)
+        ref = np.asarray(ref, np.float64)
         np.testing.assert_allclose(out, ref, **TOLERANCES[dtype])
         naive = naive_ragged(batch, scale=kw["scale"], softcap=kw.get("softcap"), window=window)
         np.testing.assert_allclose(out, naive, **TOLERANCES[dtype])
@@ -92,7 +114,7 @@ def check_ragged(backend, batch, *, windows=(0,), **kw):
 @pytest.mark.parametrize("group,window", [(1, 3), (4, 0), (8, 5)])
 def test_ragged_kernel_gqa_and_window(backend, group, window):
     batch = ragged_case(group + 40, group=group, dtype="float32", total_tokens=24)
-    check_ragged(backend, batch, scale=0.25, windows=(window,))
+    check_ragged(backend, batch, scale=0.25, windows=(window,), layer=group % NUM_LAYERS)
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
@@ -108,36 +130,45 @@ def test_ragged_kernel_small_q_block_and_pages(backend):
     check_ragged(backend, batch, scale=0.3, windows=(5,), q_block=2, pages_per_block=1)
 
 
-def test_tpu_interpret_mode_raises_on_out_of_bounds_page():
-    """The TPU kernel's DMAs are bounds-checked in interpret mode: a bad page id cannot go unnoticed."""
+def test_tpu_interpret_mode_raises_on_out_of_bounds_page_or_layer():
+    """The TPU kernel's DMAs are bounds-checked in interpret mode: a bad page id or a bad (traced,
+    so unvalidated) layer index cannot go unnoticed."""
     from jax.experimental.pallas import tpu as pltpu
 
     q, cache = decode_case(9, group=1, dtype="float32", lengths=[6, 2])
+    k_all, v_all = stacked(cache, 2)
+    kernel = jax.jit(functools.partial(get_decode_attention("pallas_tpu"), scale=1.0))
     page_tables = cache.page_tables.copy()
     page_tables[0, 1] = cache.k_pages.shape[1] + 3  # sequence 0's second page holds tokens 4 and 5
-    kernel = get_decode_attention("pallas_tpu")
     try:
-        with pytest.raises(Exception, match="[Oo]ut-of-bounds"):
-            np.asarray(kernel(q, cache.k_pages, cache.v_pages, page_tables, cache.kv_lens, scale=1.0))
+        for tables, layer in ((page_tables, 2), (cache.page_tables, NUM_LAYERS)):
+            with pytest.raises(Exception, match="[Oo]ut-of-bounds"):
+                np.asarray(kernel(q, k_all, v_all, tables, cache.kv_lens, layer=jnp.int32(layer)))
+            pltpu.reset_tpu_interpret_mode_state()
     finally:
         pltpu.reset_tpu_interpret_mode_state()
 
 
 def production_shape_args() -> tuple[list[jax.ShapeDtypeStruct], list[jax.ShapeDtypeStruct]]:
-    """Abstract (decode, ragged) kernel arguments at production shapes (8 sequences, 32 query heads,
-    8 kv heads, head_dim 128, bf16), for the lowering tests."""
+    """Abstract (decode, ragged) kernel arguments at production shapes: 8 sequences, 32 query heads,
+    8 kv heads, head_dim 128, bf16, and the engine's stacked cache of 32 layers with a page count
+    that is no power of two and a size over 4 GiB (64-bit offsets in the Triton lowering)."""
     S = jax.ShapeDtypeStruct
-    b, h, kv, d, pages, page, per_seq, tokens = 8, 32, 8, 128, 256, 16, 32, 256
+    b, h, kv, d, layers, pages, page, per_seq, tokens = 8, 32, 8, 128, 32, 4099, 16, 32, 256
     decode_args = [
         S((b, h, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
-        S((kv, pages, page, d), jnp.bfloat16),
+        S((layers, kv, pages, page, d), jnp.bfloat16),
+        S((layers, kv, pages, page, d), jnp.bfloat16),
         S((b, per_seq), jnp.int32),
         S((b,), jnp.int32),
     ]
     ragged_args = [S((tokens, h, d), jnp.bfloat16), *decode_args[1:4], S((b + 1,), jnp.int32), S((b,), jnp.int32)]
     ragged_args.append(S((), jnp.int32))
     return decode_args, ragged_args
+
+
+# window and layer, traced as in the engine's layer scan
+TRACED = dict(window=jax.ShapeDtypeStruct((), jnp.int32), layer=jax.ShapeDtypeStruct((), jnp.int32))
 
 
 def test_gpu_kernels_lower_to_triton_for_h100():
@@ -157,10 +188,10 @@ def test_gpu_kernels_lower_to_triton_for_h100():
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     try:
         for fn, args in ((paged_decode_attention_gpu, decode_args), (ragged_paged_attention_gpu, ragged_args)):
-            f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, window=jnp.int32(0), interpret=False))
+            f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, interpret=False))
             with warnings.catch_warnings():  # the Triton lowering's deprecation notice
                 warnings.simplefilter("ignore")
-                text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                text = f.trace(*args, **TRACED).lower(lowering_platforms=("cuda",)).as_text()
             assert "xla.gpu.triton" in text
     finally:
         pallas_call_registration.gpu_info_lib.get_gpu_info = original
@@ -178,9 +209,9 @@ def test_tpu_kernels_lower_to_mosaic_for_v5e():
     decode_args, ragged_args = production_shape_args()
     device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     for fn, args in ((paged_decode_attention_tpu, decode_args), (ragged_paged_attention_tpu, ragged_args)):
-        f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, window=jnp.int32(0), interpret=False))
+        f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, interpret=False))
         with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-            text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+            text = f.trace(*args, **TRACED).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text
 
 

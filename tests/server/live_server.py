@@ -20,7 +20,7 @@ MODEL = "smollm2"
 API_KEY = "sk-test-key"
 SMALL = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=160),
-    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=2, max_model_len=512),
+    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2, max_model_len=512),
 )
 
 

@@ -91,7 +91,7 @@ def test_generate_refuses_images_and_unknown_params(server):
     assert r.status_code == 400 and "image_data" in r.json()["error"]["message"]
     r = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokenz": 3}})
     assert r.status_code == 400 and "max_new_tokenz" in r.json()["error"]["message"]
-    r = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"regex": "a+"}})
+    r = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"structural_tag": "{}"}})
     assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
 
 

@@ -1,0 +1,346 @@
+"""The classification engine: a prefill-only batcher in front of one jitted step per token bucket.
+
+`ClassifyEngine` packs waiting inputs (`ClassifyBatcher`, host only) and runs them through the
+step compiled for their bucket ahead of time; nothing is kept on the device between steps (no KV
+cache). `AsyncClassifyEngine` runs it in its own thread, as `AsyncEngine` does for generation:
+the event loop only queues inputs and awaits futures that the thread resolves with
+`loop.call_soon_threadsafe`. The thread dispatches step N+1 before it reads step N's logits back,
+so packing and posting results overlap the device's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.classify_batcher import (
+    Bucket,
+    ClassifyBatcher,
+    ClassifyItem,
+    PackedStep,
+    PackingSpec,
+    classify_buckets,
+)
+from jaxserve.engine.engine import enable_compilation_cache
+from jaxserve.engine.request import InvalidRequestError
+from jaxserve.models.bert import EncoderConfig
+from jaxserve.models.classifier import Classifier, ClassifierConfig
+
+if TYPE_CHECKING:
+    from jaxserve.config import Config
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.weights.classifier_loader import LoadedClassifier
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class RequestAbortedError(RuntimeError):
+    """The input was aborted (server shutdown) before its step ran."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifyConfig:
+    max_model_len: int  # longest input, in tokens
+    max_num_seqs: int = 16  # most inputs per step
+    max_num_batched_tokens: int = 0  # most packed tokens per step; raised to max_model_len if smaller
+    compilation_cache_dir: Path | None = None
+    token_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_step_tokens
+
+    @property
+    def max_step_tokens(self) -> int:
+        return max(self.max_num_batched_tokens, self.max_model_len)
+
+
+@dataclasses.dataclass
+class ClassifyResult:
+    request_id: str
+    logits: np.ndarray  # [num_labels] float32
+    num_tokens: int
+
+
+def packing_spec(cfg: ClassifierConfig) -> PackingSpec:
+    if isinstance(cfg.body, EncoderConfig):
+        return PackingSpec("first", cfg.pad_token_id, roberta_positions=cfg.body.head == "roberta")
+    return PackingSpec("last", cfg.pad_token_id)
+
+
+class ClassifyRunner:
+    """Owns the classifier's device arrays and one compiled step per bucket."""
+
+    def __init__(self, model: Classifier, max_model_len: int | None = None):
+        self.graphdef, self.params = nnx.split(model)
+        self.max_model_len = max_model_len  # no input is longer: bounds the keys a query block reads
+        self._step = jax.jit(self._step_fn)
+        self._compiled: dict[Bucket, Any] = {}
+
+    def _step_fn(self, params: nnx.State, tokens: jax.Array, positions: jax.Array, segments: jax.Array,
+                 pool_rows: jax.Array) -> jax.Array:
+        model = nnx.merge(self.graphdef, params)
+        return model(tokens, positions, segments, pool_rows, max_segment=self.max_model_len)  # [S, labels] float32
+
+    def compile(self, buckets: tuple[Bucket, ...]) -> dict[Bucket, float]:
+        seconds: dict[Bucket, float] = {}
+        i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+        with tqdm(buckets, desc="compiling classify steps", unit="shape", disable=None) as bar:
+            for bucket in bar:
+                bar.set_postfix_str(f"tokens={bucket.tokens} seqs={bucket.seqs}")
+                start = time.perf_counter()
+                lowered = self._step.lower(self.params, i32(bucket.tokens), i32(bucket.tokens), i32(bucket.tokens),
+                                           i32(bucket.seqs))
+                self._compiled[bucket] = lowered.compile()
+                seconds[bucket] = time.perf_counter() - start
+                log.info("compiled classify step tokens=%d seqs=%d in %.2fs", bucket.tokens, bucket.seqs,
+                         seconds[bucket])
+        return seconds
+
+    @property
+    def compiled_buckets(self) -> tuple[Bucket, ...]:
+        return tuple(self._compiled)
+
+    def dispatch(self, step: PackedStep) -> jax.Array:
+        """Start the step (asynchronously); the logits are a future until read."""
+        compiled = self._compiled.get(step.bucket)
+        if compiled is None:
+            raise RuntimeError(f"classify step shape {step.bucket} was not compiled at start-up")
+        return compiled(self.params, step.tokens, step.positions, step.segments, step.pool_rows)
+
+
+class ClassifyEngine:
+    """Inputs in, logits out; `step()` runs one packed batch. Not thread-safe: one owner thread."""
+
+    def __init__(self, model: Classifier, cfg: ClassifierConfig, config: ClassifyConfig):
+        if config.compilation_cache_dir is not None:
+            enable_compilation_cache(config.compilation_cache_dir)
+        if not 1 <= config.max_model_len <= cfg.max_context:
+            raise ValueError(f"max_model_len {config.max_model_len} must be in [1, {cfg.max_context}] (the model's "
+                             "position embeddings)")
+        self.cfg = cfg
+        self.config = config
+        self.buckets = classify_buckets(config.max_step_tokens, config.max_num_seqs, config.token_buckets)
+        self.batcher = ClassifyBatcher(packing_spec(cfg), config.max_model_len, cfg.vocab_size, self.buckets)
+        self.runner = ClassifyRunner(model, config.max_model_len)
+        self.compile_seconds: dict[Bucket, float] = {}
+        self.num_steps = 0
+
+    def compile(self) -> float:
+        """Compile every bucket's step now; returns the seconds it took."""
+        start = time.perf_counter()
+        self.compile_seconds = self.runner.compile(self.buckets)
+        return time.perf_counter() - start
+
+    def add(self, request_id: str, token_ids: list[int], priority: int = 0) -> None:
+        """Queue one input; raises InvalidRequestError / RequestTooLongError."""
+        self.batcher.add(ClassifyItem(request_id, list(token_ids), priority))
+
+    def abort(self, request_id: str) -> bool:
+        return self.batcher.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.batcher.has_waiting()
+
+    def dispatch(self) -> tuple[PackedStep, jax.Array] | None:
+        """Pack the next step and start it on the device; None when nothing waits."""
+        step = self.batcher.next_step()
+        if step is None:
+            return None
+        self.num_steps += 1
+        return step, self.runner.dispatch(step)
+
+    @staticmethod
+    def collect(started: tuple[PackedStep, jax.Array]) -> list[ClassifyResult]:
+        """Wait for a dispatched step and split its logits by input."""
+        step, logits = started
+        rows = np.asarray(logits)
+        return [ClassifyResult(rid, rows[i], n) for i, (rid, n) in enumerate(zip(step.request_ids, step.num_tokens))]
+
+    def step(self) -> list[ClassifyResult]:
+        started = self.dispatch()
+        return [] if started is None else self.collect(started)
+
+    def classify(self, inputs: list[list[int]], priority: int = 0) -> list[ClassifyResult]:
+        """Offline: classify token-id inputs and return their results in input order."""
+        ids = [f"offline-{i}" for i in range(len(inputs))]
+        for rid, tokens in zip(ids, inputs):
+            self.add(rid, tokens, priority)
+        out: dict[str, ClassifyResult] = {}
+        while self.has_unfinished():
+            out.update((r.request_id, r) for r in self.step())
+        return [out[rid] for rid in ids]
+
+
+class AsyncClassifyEngine:
+    """The engine in its own thread; `classify()` is awaited from the event loop."""
+
+    def __init__(self, engine: ClassifyEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._closed = False  # set (under _lock) once the thread takes no more commands
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-classify", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side -------------------------------------------------------------------------
+    def validate(self, token_ids: list[int], param: str = "input") -> None:
+        """Raise the input's validation error now (reads only fixed limits: safe off the thread)."""
+        self.engine.batcher.validate(token_ids, param)
+
+    async def classify(self, request_id: str, token_ids: list[int], priority: int = 0) -> ClassifyResult:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}")
+        self.validate(token_ids)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._lock:  # an input queued after the thread's last drain would wait forever
+            if self._closed:
+                raise EngineDeadError("the engine shut down")
+            self._commands.put(("add", ClassifyItem(request_id, list(token_ids), priority), loop, future))
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client went away: drop the input if it still waits
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_requests(self) -> int:
+        """Inputs queued or running."""
+        return len(self._futures)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.batcher.num_waiting
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        started = None
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                following = self.engine.dispatch() if self.engine.has_unfinished() else None
+                if started is not None:
+                    for result in self.engine.collect(started):
+                        self._resolve(result.request_id, result)
+                started = following
+                if started is None and not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:  # a device failure fails every waiting input
+            log.exception("classify engine loop failed")
+            self.error = e
+            for request_id in list(self._futures):
+                self._resolve(request_id, EngineDeadError(f"the engine stopped: {e}"))
+        finally:
+            with self._lock:
+                self._closed = True
+            while not self._commands.empty():
+                cmd = self._commands.get_nowait()
+                if cmd[0] == "add":
+                    _post(cmd[2], cmd[3], EngineDeadError("the engine shut down"))
+            for request_id in list(self._futures):
+                self._resolve(request_id, EngineDeadError("the engine shut down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, item, loop, future = cmd
+                try:
+                    if item.request_id in self._futures:
+                        raise InvalidRequestError("rid", f"{item.request_id!r} is already running")
+                    self.engine.batcher.add(item)
+                except Exception as e:  # validation errors go back to the caller
+                    _post(loop, future, e)
+                    continue
+                self._futures[item.request_id] = (loop, future)
+            elif cmd[0] == "abort":
+                # A caller that went away ignores this; one still waiting (shutdown) gets the error.
+                self.engine.abort(cmd[1])
+                self._resolve(cmd[1], RequestAbortedError(f"request {cmd[1]!r} was aborted"))
+
+    def _resolve(self, request_id: str, value: ClassifyResult | BaseException) -> None:
+        entry = self._futures.pop(request_id, None)
+        if entry is not None:
+            _post(*entry, value)
+
+
+def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, value)
+    except RuntimeError:
+        pass  # the caller's event loop is closed: nobody waits for this result any more
+
+
+def _settle(future: asyncio.Future, value: Any) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+def resolve_max_model_len(requested: int | None, cfg: ClassifierConfig) -> int:
+    limit = cfg.max_context
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} exceeds what the model's position embeddings allow ({limit})")
+    return requested
+
+
+def start_classify_engine(config: "Config") -> tuple[ClassifyEngine, "Tokenizer", "LoadedClassifier", dict[str, float]]:
+    """Load the classifier and its tokenizer and compile every step shape: everything before the
+    first request. --max-num-seqs bounds the inputs per step, --max-num-batched-tokens the packed
+    tokens (at least --max-model-len, so any valid input fits). Returns the seconds per phase too."""
+    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.weights.classifier_loader import load_classifier
+
+    start = time.perf_counter()
+    m = config.model
+    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache)
+    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir)
+    if tokenizer.vocab_size > loaded.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
+                         f"{loaded.config.vocab_size} rows")
+    max_len = resolve_max_model_len(m.max_model_len, loaded.config)
+    engine = ClassifyEngine(loaded.model, loaded.config, ClassifyConfig(
+        max_model_len=max_len, max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        compilation_cache_dir=config.compilation_cache_dir))
+    c = loaded.config
+    log.info("model: %s, %d labels (%s), %s, max_model_len %d, %d step shapes (%s tokens)", c.architecture,
+             c.num_labels, ", ".join(c.labels[:4]) + (" ..." if c.num_labels > 4 else ""),
+             jnp.dtype(loaded.dtype).name, max_len, len(engine.buckets), [b.tokens for b in engine.buckets])
+    loaded_at = time.perf_counter()
+    engine.compile()
+    done = time.perf_counter()
+    return engine, tokenizer, loaded, {"load": loaded_at - start, "compile": done - loaded_at, "total": done - start}

@@ -1,0 +1,204 @@
+"""Sequence-classification and reward models: which checkpoints they are, their labels, and the
+decoder-based classifier (the existing Decoder plus a score head).
+
+A *ForSequenceClassification decoder is the causal LM's body with `score` (a [labels, hidden]
+matrix, no bias) in place of the LM head, read at each input's last non-padding token, as HF's
+GenericForSequenceClassification does. Qwen2ForRewardModel (Qwen2.5-Math-RM) scores with a
+two-layer MLP (`score.0`, ReLU, `score.2`) into one number. BERT-style encoders live in bert.py.
+
+The number of classes is read from the checkpoint's head (the config may not say it); labels come
+from `id2label`, else LABEL_i (HF's names), else Class_i when not even the count is declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.models.bert import ENCODER_ARCHITECTURES, EncoderClassifier, EncoderConfig, encoder_config_from_hf
+from jaxserve.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    DecoderConfig,
+    UnsupportedModelError,
+    decoder_config_from_hf,
+)
+from jaxserve.models.decoder import Decoder, Linear
+from jaxserve.models.packed_attention import packed_attention
+
+Array = jax.Array
+
+# classifier architecture -> the causal LM whose body it shares
+DECODER_CLASSIFIERS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Qwen2ForRewardModel": "Qwen2ForCausalLM",
+}
+CLASSIFIER_ARCHITECTURES = (*DECODER_CLASSIFIERS, *ENCODER_ARCHITECTURES)
+TASKS = ("auto", "generate", "classify")
+HF_DEFAULT_NUM_LABELS = 2  # what transformers assumes when config.json names no labels
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierConfig:
+    architecture: str
+    num_labels: int
+    labels: tuple[str, ...]  # one per class
+    body: Union[DecoderConfig, EncoderConfig]
+    pad_token_id: int | None = None
+    reward_mlp: bool = False  # Qwen2ForRewardModel's score.0 / ReLU / score.2 head
+
+    @property
+    def is_encoder(self) -> bool:
+        return isinstance(self.body, EncoderConfig)
+
+    @property
+    def max_context(self) -> int:
+        """Longest input the position embeddings allow."""
+        return self.body.max_context if isinstance(self.body, EncoderConfig) else self.body.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.body.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self.body.dtype
+
+
+def architectures(cfg: dict[str, Any]) -> list[str]:
+    return list(cfg.get("architectures") or [])
+
+
+def classifier_architecture(cfg: dict[str, Any]) -> str | None:
+    return next((a for a in architectures(cfg) if a in CLASSIFIER_ARCHITECTURES), None)
+
+
+def resolve_task(requested: str, cfg: dict[str, Any]) -> str:
+    """--task: auto picks classify for a classifier checkpoint, generate for a causal LM; an
+    explicit task the checkpoint cannot do is refused with the reason."""
+    if requested not in TASKS:
+        raise UnsupportedModelError(f"--task {requested!r} is not one of {', '.join(TASKS)}")
+    archs = architectures(cfg)
+    classifier = classifier_architecture(cfg)
+    generator = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if requested == "classify" and classifier is None:
+        raise UnsupportedModelError(
+            f"--task classify: architecture {archs or '(none given)'} has no classification head; classification "
+            f"needs one of {', '.join(CLASSIFIER_ARCHITECTURES)}"
+        )
+    if requested == "generate" and generator is None:
+        if classifier is not None:
+            raise UnsupportedModelError(
+                f"--task generate: {classifier} is a classification model with no language-model head; "
+                "serve it with --task classify (or auto) and use POST /v1/classify"
+            )
+        return "generate"  # let the generation loader name what is unsupported
+    if requested == "auto":
+        return "classify" if classifier is not None and generator is None else "generate"
+    return requested
+
+
+def class_labels(cfg: dict[str, Any], num_classes: int) -> tuple[str, ...]:
+    """Label of each class: id2label; else LABEL_i, HF's own names, when the config declares
+    num_labels or says nothing and the head has HF's default 2 outputs (transformers does not write
+    a default id2label); else, as a last resort, Class_i. A config that declares another number of
+    classes than the head has is refused."""
+    raw = cfg.get("id2label") or {}
+    try:
+        id2label = {int(k): str(v) for k, v in raw.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise UnsupportedModelError(f"id2label must map class indices to names, got {raw!r}") from None
+    declared = cfg.get("num_labels")
+    if declared is None and id2label:
+        declared = len(id2label)
+    if declared is not None and int(declared) != num_classes:
+        raise UnsupportedModelError(
+            f"the config declares {declared} labels but the checkpoint's classification head has {num_classes} outputs"
+        )
+    hf_names = declared is not None or num_classes == HF_DEFAULT_NUM_LABELS
+    return tuple(id2label.get(i) or (f"LABEL_{i}" if hf_names else f"Class_{i}") for i in range(num_classes))
+
+
+def head_tensor(arch: str) -> str:
+    """The checkpoint tensor whose first dimension is the number of classes."""
+    if arch == "Qwen2ForRewardModel":
+        return "score.2.weight"
+    if arch in DECODER_CLASSIFIERS:
+        return "score.weight"
+    return "classifier.weight" if ENCODER_ARCHITECTURES[arch][1] == "pooler" else "classifier.out_proj.weight"
+
+
+def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> ClassifierConfig:
+    """Parse config.json of a classifier whose head has `num_classes` outputs."""
+    arch = classifier_architecture(cfg)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"architecture {architectures(cfg) or '(none given)'} is not a supported classifier; supported: "
+            + ", ".join(CLASSIFIER_ARCHITECTURES)
+        )
+    if num_classes < 1:
+        raise UnsupportedModelError(f"the classification head has {num_classes} outputs")
+    labels = class_labels(cfg, num_classes)
+    if arch in ENCODER_ARCHITECTURES:
+        body: Union[DecoderConfig, EncoderConfig] = encoder_config_from_hf(cfg, num_classes)
+    else:
+        # The body is the causal LM's; tying keeps the Decoder from allocating an LM head the
+        # classifier never uses (the checkpoint has none).
+        lm = decoder_config_from_hf({**cfg, "architectures": [DECODER_CLASSIFIERS[arch]]})
+        body = dataclasses.replace(lm, tie_word_embeddings=True)
+        if arch == "Qwen2ForRewardModel" and num_classes != 1:
+            raise UnsupportedModelError(f"Qwen2ForRewardModel scores with one output, the head has {num_classes}")
+    pad = cfg.get("pad_token_id")
+    return ClassifierConfig(
+        architecture=arch, num_labels=num_classes, labels=labels, body=body,
+        pad_token_id=None if pad is None else int(pad), reward_mlp=arch == "Qwen2ForRewardModel",
+    )
+
+
+class DecoderClassifier(nnx.Module):
+    """A causal LM body plus a score head, read at each sequence's last non-padding token."""
+
+    def __init__(self, cfg: ClassifierConfig, dtype: Any = jnp.float32):
+        if not isinstance(cfg.body, DecoderConfig):
+            raise TypeError("DecoderClassifier needs a decoder body")
+        self.cfg = cfg
+        self.dtype = dtype
+        self.model = Decoder(cfg.body, dtype)
+        h = cfg.body.hidden_size
+        if cfg.reward_mlp:
+            self.score_hidden = Linear(h, h, True, dtype)
+            self.score_out = Linear(h, 1, True, dtype)
+        else:
+            self.score = Linear(h, cfg.num_labels, False, dtype)
+
+    def head(self, pooled: Array) -> Array:
+        """[n, hidden] -> float32 logits [n, labels]."""
+        if self.cfg.reward_mlp:
+            return self.score_out(jax.nn.relu(self.score_hidden(pooled))).astype(jnp.float32)
+        return self.score(pooled).astype(jnp.float32)
+
+    def __call__(self, tokens: Array, positions: Array, segments: Array, pool_rows: Array,
+                 max_segment: int | None = None) -> Array:
+        """One packed step: tokens, positions, segments [T]; pool_rows [S] (each sequence's pooled
+        token) -> float32 logits [S, num_labels]. max_segment: the longest input (static)."""
+        body = self.cfg.body
+        attend = packed_attention(segments[None], positions[None], causal=True, scale=body.scale,
+                                  softcap=body.attn_logit_softcap, max_segment=max_segment)
+        hidden, _ = self.model.hidden_states(tokens[None], positions[None], attend)
+        return self.head(hidden[0, pool_rows])
+
+
+Classifier = Union[DecoderClassifier, EncoderClassifier]
+
+
+def build_classifier(cfg: ClassifierConfig, dtype: Any = jnp.float32) -> Classifier:
+    if isinstance(cfg.body, EncoderConfig):
+        return EncoderClassifier(cfg.body, dtype)
+    return DecoderClassifier(cfg, dtype)

@@ -1,0 +1,114 @@
+"""Logical axis rules: which parameter dimensions are split over the mesh's "model" axis.
+
+Megatron-style tensor parallelism expressed as shardings only: q/k/v projections split their
+output (head) columns and o_proj its input rows, gate/up split the MLP hidden columns and down_proj
+its rows, and the embedding / LM head split the vocabulary. GSPMD then inserts the all-reduces
+after o_proj and down_proj (and the gathers around the vocab split) by itself. Norms, biases of the
+replicated hidden dimension and the rotary tables stay replicated: they are tiny.
+
+A logical axis is only split when its size divides evenly by the mesh size (whole heads per
+device); otherwise that axis is replicated, which costs memory but never correctness. The KV cache
+[layers, kv_heads, pages, page_size, head_dim] follows the kv_heads rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.models.config import DecoderConfig
+from jaxserve.parallel.mesh import MODEL_AXIS
+
+log = logging.getLogger("jaxserve.parallel")
+
+# (parameter path, shape) -> sharding: the loader's callback type
+ParamSharding = Callable[[tuple[str, ...], tuple[int, ...]], NamedSharding]
+
+# Parameter path (below the stacked "layers" axis) -> logical name of each dimension.
+# Anything not listed (norm weights, q/k norms) is replicated.
+LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+    ("embed_tokens",): ("vocab", None),
+    ("lm_head",): ("vocab", None),
+    ("self_attn", "q_proj", "kernel"): (None, "heads"),
+    ("self_attn", "q_proj", "bias"): ("heads",),
+    ("self_attn", "k_proj", "kernel"): (None, "kv_heads"),
+    ("self_attn", "k_proj", "bias"): ("kv_heads",),
+    ("self_attn", "v_proj", "kernel"): (None, "kv_heads"),
+    ("self_attn", "v_proj", "bias"): ("kv_heads",),
+    ("self_attn", "o_proj", "kernel"): ("heads", None),
+    ("mlp", "gate_proj", "kernel"): (None, "mlp"),
+    ("mlp", "gate_proj", "bias"): ("mlp",),
+    ("mlp", "up_proj", "kernel"): (None, "mlp"),
+    ("mlp", "up_proj", "bias"): ("mlp",),
+    ("mlp", "down_proj", "kernel"): ("mlp", None),
+}
+
+
+class ShardingPlan:
+    """The shardings of one model on one mesh: parameters by path, the KV cache, and the rest."""
+
+    def __init__(self, mesh: Mesh, cfg: DecoderConfig):
+        self.mesh = mesh
+        n = mesh.shape[MODEL_AXIS]
+        sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size,
+                 "vocab": cfg.vocab_size}
+        # logical axis -> mesh axis (None: replicated because it does not split evenly)
+        self.rules: dict[str, str | None] = {name: MODEL_AXIS if size % n == 0 else None
+                                             for name, size in sizes.items()}
+        self._sizes = sizes
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    def spec(self, path: tuple[str, ...]) -> PartitionSpec:
+        """PartitionSpec of the parameter at `path` (as the loader names it)."""
+        stacked = path[0] == "layers"
+        logical = LOGICAL_AXES.get(path[1:] if stacked else path)
+        if logical is None:
+            return PartitionSpec()
+        axes = tuple(self.rules[name] if name else None for name in logical)
+        return PartitionSpec(*((None,) if stacked else ()), *axes)
+
+    def param_sharding(self, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        """The loader's sharding callback: each device's shard is read straight from the checkpoint."""
+        return NamedSharding(self.mesh, self.spec(path))
+
+    def kv_cache(self) -> NamedSharding:
+        """[layers, kv_heads, pages, page_size, head_dim]: one group of kv heads per device, so the
+        attention of a head group reads only local pages; replicated when kv heads do not divide."""
+        return NamedSharding(self.mesh, PartitionSpec(None, self.rules["kv_heads"]))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def describe(self) -> list[str]:
+        """Start-up log lines: what is split, and what is replicated and why."""
+        n = self.size
+        lines = [f"tensor parallel over {n} devices ({', '.join(str(d) for d in self.mesh.devices.flat)})"]
+        for name, what in (("heads", "attention q/o projections"), ("kv_heads", "k/v projections and KV cache"),
+                           ("mlp", "MLP gate/up/down"), ("vocab", "embedding and LM head")):
+            size = self._sizes[name]
+            if self.rules[name]:
+                lines.append(f"{what}: {name} {size} split {size // n} per device")
+            else:
+                lines.append(f"{what}: REPLICATED on every device ({name} {size} is not divisible by {n})")
+        return lines
+
+    def log(self) -> None:
+        for line in self.describe():
+            log.info("%s", line)
+
+
+def param_sharding_for(mesh: Mesh) -> Callable[[DecoderConfig], ParamSharding]:
+    """The loader's `sharding_for`: the rules depend on the head counts, which the loader reads from
+    the checkpoint; logs what is split and what is replicated once they are known."""
+
+    def sharding_for(cfg: DecoderConfig) -> ParamSharding:
+        plan = ShardingPlan(mesh, cfg)
+        plan.log()
+        return plan.param_sharding
+
+    return sharding_for

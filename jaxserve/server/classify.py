@@ -1,0 +1,410 @@
+"""Classification over HTTP: `POST /v1/classify` (vLLM's and SGLang's classify API, also at vLLM's
+`/classify`), SGLang's legacy reward-model `/classify` (`text` / `input_ids` in, raw scores out as
+`embedding`), and the app that serves a classification model.
+
+A classification model cannot generate and a generative model has no classification head, so
+each app answers the other's routes with a 400 that says why, instead of a bare 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any, TypeVar
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.engine.classify import AsyncClassifyEngine, ClassifyResult, RequestAbortedError
+from jaxserve.engine.classify_batcher import probabilities
+from jaxserve.engine.request import InvalidRequestError
+from jaxserve.models.classifier import ClassifierConfig
+from jaxserve.server.auth import check_bearer
+from jaxserve.server.errors import ApiError, error_response, protocol_of
+from jaxserve.server.generation import new_id, route
+from jaxserve.server.metrics import Metrics
+from jaxserve.server.openapi import openapi_spec
+from jaxserve.tokenizer import Tokenizer
+
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+
+# Routes of the generation APIs, refused with a reason by a classification server.
+GENERATION_ROUTES = (
+    "/v1/completions", "/v1/chat/completions", "/v3/completions", "/v3/chat/completions", "/generate",
+    "/v2/models/<name>/generate", "/v2/models/<name>/generate_stream",
+    "/v2/models/<name>/versions/<version>/generate", "/v2/models/<name>/versions/<version>/generate_stream",
+)
+
+
+# ---- protocol ------------------------------------------------------------------------------------
+class ClassifyRequest(BaseModel):
+    """vLLM / SGLang classify request. Token-id inputs (vLLM accepts them) skip the tokenizer."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+    rid: str | list[str] | None = None
+    priority: int = 0  # lower runs first
+    add_special_tokens: bool = True
+    # vLLM's: keep only the last k tokens of each input (-1: the last max_model_len); off by default,
+    # so nothing is truncated unless asked.
+    truncate_prompt_tokens: int | None = None
+    activation: bool = True  # vLLM's: false returns the raw logits instead of the softmax
+
+
+class LegacyClassifyRequest(BaseModel):
+    """SGLang's reward-model /classify (its EmbeddingReqInput): text or input_ids, single or batch."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+    priority: int | None = None
+
+
+# ---- state ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ClassifyState:
+    engine: AsyncClassifyEngine
+    tokenizer: Tokenizer
+    model_name: str
+    config: ClassifierConfig
+    max_model_len: int
+    max_concurrent_requests: int
+    request_timeout: float | None
+    metrics: Metrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    num_in_flight: int = 0
+    draining: bool = False
+    in_flight: set[str] = dataclasses.field(default_factory=set)  # engine request ids
+
+    def abort_all(self) -> int:
+        """End every in-flight input (their requests get a 503); used when shutdown times out."""
+        ids = list(self.in_flight)
+        for request_id in ids:
+            self.engine.abort(request_id)
+        return len(ids)
+
+    async def run(self, request_ids: list[str], inputs: list[list[int]], priority: int) -> list[ClassifyResult]:
+        """Classify every input (each is batched with whatever else is queued); admission as the
+        generation routes do it: refused at once when draining or at --max-concurrent-requests."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.num_in_flight >= self.max_concurrent_requests:
+            raise ApiError(429, f"the server is at --max-concurrent-requests ({self.max_concurrent_requests}); "
+                           "retry later", code="too_many_requests")
+        self.num_in_flight += 1
+        self.in_flight.update(request_ids)
+        start = time.monotonic()
+        tasks = [asyncio.ensure_future(self.engine.classify(rid, ids, priority))
+                 for rid, ids in zip(request_ids, inputs)]
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                results = await asyncio.gather(*tasks)
+        except TimeoutError:
+            raise ApiError(503, f"the request did not finish within --request-timeout ({self.request_timeout}s)",
+                           code="timeout") from None
+        except RequestAbortedError:
+            raise ApiError(503, "the request was aborted: the server is shutting down", code="aborted") from None
+        finally:
+            for t in tasks:  # one failed or we were cancelled: the rest must not stay queued
+                if not t.done():
+                    t.cancel()
+            self.num_in_flight -= 1
+            self.in_flight.difference_update(request_ids)
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - start)
+        m.prompt_tokens.inc(sum(map(len, inputs)))
+        m.requests.inc(1, "classified")
+        return list(results)
+
+
+# ---- request handling ----------------------------------------------------------------------------
+def check_model(state: Any, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
+                       "model", code="model_not_found")
+
+
+def _texts_or_ids(value: Any, param: str) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(texts, None) or (None, token-id lists); empty inputs are refused, naming which."""
+    if isinstance(value, str):
+        value = [value]
+        names = [param]
+    else:
+        if not value:
+            raise ApiError(400, f"{param}: must not be empty", param)
+        names = [f"{param}[{i}]" for i in range(len(value))]
+    if isinstance(value[0], int):
+        return None, [list(value)]
+    for name, item in zip(names, value):
+        if (isinstance(item, str) and not item.strip()) or (isinstance(item, list) and not item):
+            raise ApiError(400, f"{name}: must not be empty" + (" or only whitespace" if isinstance(item, str) else ""),
+                           param)
+    if isinstance(value[0], str):
+        return list(value), None
+    return None, [list(x) for x in value]
+
+
+def encode_inputs(state: ClassifyState, value: Any, param: str, add_special_tokens: bool,
+                  truncate: int | None = None) -> list[list[int]]:
+    """Token ids of every input (the last `truncate` of each, if given), each checked against the
+    context length and the vocabulary."""
+    texts, given = _texts_or_ids(value, param)
+    if texts is not None:
+        ids = [state.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    else:
+        ids = given or []
+    if truncate is not None:
+        if truncate == -1:
+            truncate = state.max_model_len
+        if not 1 <= truncate <= state.max_model_len:
+            raise ApiError(400, f"truncate_prompt_tokens: must be -1 or in [1, {state.max_model_len}] (the maximum "
+                           f"context length), got {truncate}", "truncate_prompt_tokens")
+        ids = [x[-truncate:] for x in ids]
+    single = isinstance(value, str) or (bool(value) and isinstance(value[0], int))
+    for i, tokens in enumerate(ids):
+        try:
+            state.engine.validate(tokens, param if single else f"{param}[{i}]")
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param) from None
+    return ids
+
+
+def request_ids(rid: str | list[str] | None, count: int, prefix: str) -> list[str]:
+    """Engine ids: the client's rid(s) when given (one per input), else fresh ones."""
+    if rid is None:
+        base = new_id(prefix)
+        return [f"{base}-{i}" for i in range(count)]
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if isinstance(rid, str) and count > 1:
+        rids = [f"{rid}-{i}" for i in range(count)]
+    if len(rids) != count:
+        raise ApiError(400, f"rid: {len(rids)} ids for {count} inputs", "rid")
+    if len(set(rids)) != count or any(not r for r in rids):
+        raise ApiError(400, "rid: ids must be non-empty and distinct", "rid")
+    return rids
+
+
+def classification(state: ClassifyState, index: int, result: ClassifyResult, activation: bool = True) -> dict[str, Any]:
+    probs = probabilities(result.logits) if activation else result.logits
+    labels = state.config.labels
+    return {"index": index, "label": labels[int(result.logits.argmax())], "probs": [float(p) for p in probs],
+            "num_classes": len(labels)}
+
+
+def parse(model: type[M], body: bytes, field: str, accepted: str) -> M:
+    """The body as `model`. A wrongly typed `field` (a union of shapes) is named with the shapes it
+    accepts, rather than with whichever member's complaint pydantic reports first."""
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        loc = first.get("loc") or ()
+        if loc and loc[0] == field and first.get("type") != "missing":
+            got = json.dumps(json.loads(body).get(field))
+            raise ApiError(400, f"{field}: expected {accepted}, got {got[:60]}", field) from None
+        raise
+
+
+INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+async def classify(state: ClassifyState) -> Response:
+    """Classify a string or a list of strings (or token ids): labels and class probabilities."""
+    body = await request.get_data(cache=False)
+    return await _classify(state, parse(ClassifyRequest, body, "input", INPUT_SHAPES))
+
+
+async def _classify(state: ClassifyState, req: ClassifyRequest) -> Response:
+    check_model(state, req.model)
+    inputs = encode_inputs(state, req.input, "input", req.add_special_tokens, req.truncate_prompt_tokens)
+    rids = request_ids(req.rid, len(inputs), "classify")
+    results = await state.run(rids, inputs, req.priority)
+    num_tokens = sum(r.num_tokens for r in results)
+    return jsonify({
+        "id": new_id("classify"), "object": "list", "created": int(time.time()), "model": state.model_name,
+        "data": [classification(state, i, r, req.activation) for i, r in enumerate(results)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None},
+    })
+
+
+async def classify_either(state: ClassifyState) -> Response:
+    """vLLM's /classify (a body with `input`), or SGLang's legacy reward-model /classify (`text` or
+    `input_ids`; raw scores returned as `embedding`, one object per input)."""
+    body = await request.get_data(cache=False)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if not (isinstance(parsed, dict) and "input" not in parsed and ("text" in parsed or "input_ids" in parsed)):
+        return await _classify(state, parse(ClassifyRequest, body, "input", INPUT_SHAPES))
+    try:
+        return await _legacy_classify(state, LegacyClassifyRequest.model_validate_json(body))
+    except Exception as e:  # SGLang's clients read its own error shape on this form
+        return error_response(e, "sglang")
+
+
+async def _legacy_classify(state: ClassifyState, req: LegacyClassifyRequest) -> Response:
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", "text")
+    param = "text" if req.text is not None else "input_ids"
+    value = req.text if req.text is not None else req.input_ids
+    inputs = encode_inputs(state, value, param, True)
+    rids = request_ids(req.rid, len(inputs), "classify")
+    start = time.monotonic()
+    results = await state.run(rids, inputs, req.priority or 0)
+    latency = time.monotonic() - start
+    out = [{"embedding": [float(x) for x in r.logits],
+            "meta_info": {"id": rid, "prompt_tokens": r.num_tokens, "e2e_latency": latency}}
+           for rid, r in zip(rids, results)]
+    single = isinstance(value, str) or (bool(value) and isinstance(value[0], int))
+    return jsonify(out[0] if single else out)
+
+
+async def models(state: ClassifyState) -> Response:
+    """The served model."""
+    return jsonify({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+        "root": state.model_name, "parent": None, "max_model_len": state.max_model_len, "permission": [],
+    }]})
+
+
+async def get_model_info(state: ClassifyState) -> Response:
+    """SGLang's model info: not a generation model."""
+    return jsonify({"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": False,
+                    "max_model_len": state.max_model_len, "architecture": state.config.architecture,
+                    "num_labels": state.config.num_labels, "id2label": dict(enumerate(state.config.labels))})
+
+
+async def refuse_generation(state: ClassifyState, **_: Any) -> Response:
+    """Refused: this server serves a classification model."""
+    raise ApiError(400, f"model `{state.model_name}` ({state.config.architecture}) is a classification model "
+                   "and cannot generate text; use POST /v1/classify, or serve a causal language model "
+                   "(--task generate) for completions", code="wrong_task")
+
+
+# ---- apps ----------------------------------------------------------------------------------------
+def create_classify_app(
+    engine: AsyncClassifyEngine,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    config: ClassifierConfig,
+    max_model_len: int,
+    api_keys: tuple[str, ...] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    request_timeout: float | None = None,
+) -> Quart:
+    """The app of a classification model: /v1/classify and /classify, /v1/models, /health,
+    /metrics, /openapi.json, SGLang's /get_model_info; generation routes answer 400."""
+    if max_request_bytes < 1 or max_concurrent_requests < 1:
+        raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
+                         f"({max_concurrent_requests}) must be >= 1")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+    app = Quart("jaxserve")
+    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
+    app.config["BODY_TIMEOUT"] = None
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app.json.sort_keys = False  # "id" first, as vLLM and SGLang send it
+    metrics = Metrics(served_model_name)
+    metrics.gauge("num_requests_waiting", "Inputs waiting for a classification step.", lambda: engine.num_waiting)
+    metrics.gauge("num_requests_running", "Inputs queued or in a step.", lambda: engine.num_requests)
+    state = ClassifyState(engine=engine, tokenizer=tokenizer, model_name=served_model_name, config=config,
+                          max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
+                          request_timeout=request_timeout, metrics=metrics)
+    app.extensions["jaxserve"] = state  # what serve_async / the loading gate read to drain
+    keys = tuple(k.encode() for k in api_keys)
+
+    @app.before_request
+    async def authenticate() -> None:
+        check_bearer(request.path, request.headers.get("Authorization"), keys)
+
+    @app.errorhandler(Exception)
+    async def on_error(exc: Exception) -> Response:
+        return error_response(exc, protocol_of(request.path))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when serving; 503 while draining or after an engine failure."""
+        return Response("", status=503 if state.draining or engine.error is not None else 200)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        """This document."""
+        return jsonify(openapi_spec(app))
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    route(app, state, "/v1/classify", classify, "POST", ClassifyRequest)
+    route(app, state, "/classify", classify_either, "POST", ClassifyRequest)
+    route(app, state, "/v1/models", models, "GET")
+    route(app, state, "/get_model_info", get_model_info, "GET")
+    for rule in GENERATION_ROUTES:
+        route(app, state, rule, refuse_generation, "POST")
+    return app
+
+
+def register_refusals(app: Quart, state: Any) -> None:
+    """On a generation server, /v1/classify and /classify answer 400 with the reason."""
+
+    async def refuse(state: Any) -> Response:
+        """Refused: this server serves a generation model."""
+        arch = state.engine.engine.cfg.architecture
+        raise ApiError(400, f"model `{state.model_name}` ({arch}) is a text-generation model with no "
+                       "classification head; /v1/classify needs a sequence-classification or reward model "
+                       "(e.g. Qwen2ForSequenceClassification, BertForSequenceClassification) served with "
+                       "--task classify (or auto)", code="wrong_task")
+
+    route(app, state, "/v1/classify", refuse, "POST", ClassifyRequest)
+    route(app, state, "/classify", refuse, "POST", ClassifyRequest)
+
+
+# ---- start-up ------------------------------------------------------------------------------------
+def detect_task(model: str, requested: str) -> str:
+    """--task auto|generate|classify for `model`: a checkpoint's config.json decides auto; GGUF files
+    hold causal LMs only. Raises UnsupportedModelError when the asked task is impossible."""
+    from jaxserve.models.classifier import resolve_task
+    from jaxserve.models.config import UnsupportedModelError
+    from jaxserve.weights.source import resolve
+
+    source = resolve(model)
+    if source.kind != "hf":  # no need to parse the GGUF header (seconds): it is a causal LM
+        if requested == "classify":
+            raise UnsupportedModelError(f"--task classify: {source.path.name} is a GGUF file, which holds causal "
+                                        "language models only; classification loads a Hugging Face directory")
+        return "generate"
+    return resolve_task(requested, source.config)
+
+
+def build_classify_server(config: Any) -> tuple[Quart, AsyncClassifyEngine]:
+    """Load and compile the classifier named by `config` (a jaxserve Config) and build its app."""
+    import logging
+
+    from jaxserve.engine.classify import start_classify_engine
+
+    engine, tokenizer, loaded, timings = start_classify_engine(config)
+    logging.getLogger("jaxserve").info(
+        "ready in %.1fs (load %.1fs, compile %.1fs for %d classify step shapes)", timings["total"], timings["load"],
+        timings["compile"], len(engine.compile_seconds))
+    async_engine = AsyncClassifyEngine(engine)
+    srv = config.server
+    app = create_classify_app(async_engine, tokenizer, config.model.served_model_name, loaded.config,
+                              engine.config.max_model_len, api_keys=srv.api_keys,
+                              max_request_bytes=srv.max_request_bytes,
+                              max_concurrent_requests=srv.max_concurrent_requests,
+                              request_timeout=srv.request_timeout)
+    return app, async_engine

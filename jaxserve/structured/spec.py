@@ -1,0 +1,189 @@
+"""What a request asks its output to match, checked at the boundary.
+
+A `GuideSpec` is the user's constraint in a canonical text form (a regex, a JSON schema, a list of
+choices, a grammar); `compiler.GrammarCompiler` turns it into something that masks tokens. Every
+problem a user can fix is raised here or by the compiler as `GuideError`, which the API layers
+answer with 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from jaxserve.engine.request import InvalidRequestError
+
+KINDS = ("regex", "choice", "json_schema", "json_object", "grammar")
+MAX_CHOICES = 1024
+MAX_SPEC_CHARS = 1 << 20  # 1 MiB of regex / schema / grammar text
+
+
+class GuideError(InvalidRequestError):
+    """The constraint is invalid, unsupported, or too expensive to compile."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GuideSpec:
+    kind: str  # one of KINDS
+    text: str  # regex | schema JSON | choices JSON list | grammar source ("" for json_object)
+    param: str  # the request parameter it came from (named in errors)
+
+    def cache_key(self, vocabulary_fingerprint: str) -> str:
+        h = hashlib.sha256()
+        for part in (self.kind, self.text, vocabulary_fingerprint):
+            h.update(part.encode())
+            h.update(b"\x00")
+        return h.hexdigest()
+
+
+def regex(value: Any, param: str) -> GuideSpec:
+    return GuideSpec("regex", _text(value, param), param)
+
+
+def choice(value: Any, param: str) -> GuideSpec:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise GuideError(param, "expected a non-empty list of non-empty strings")
+    if len(value) > MAX_CHOICES:
+        raise GuideError(param, f"at most {MAX_CHOICES} choices, got {len(value)}")
+    return GuideSpec("choice", json.dumps(value), param)
+
+
+def json_schema(value: Any, param: str) -> GuideSpec:
+    """A schema given as an object or as JSON text; checked against the JSON Schema meta-schema."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(_text(value, param))
+        except json.JSONDecodeError as e:
+            raise GuideError(param, f"the schema is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise GuideError(param, f"a JSON schema must be an object, got {type(value).__name__}")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise GuideError(param, f"invalid JSON schema at {where}: {e.message}") from None
+    return GuideSpec("json_schema", json.dumps(value), param)
+
+
+def json_object(param: str) -> GuideSpec:
+    return GuideSpec("json_object", "", param)
+
+
+def grammar(value: Any, param: str) -> GuideSpec:
+    return GuideSpec("grammar", _text(value, param), param)
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise GuideError(param, "expected a non-empty string")
+    if len(value) > MAX_SPEC_CHARS:
+        raise GuideError(param, f"at most {MAX_SPEC_CHARS} characters, got {len(value)}")
+    return value
+
+
+def only_one(specs: list[GuideSpec | None]) -> GuideSpec | None:
+    """Requests may carry one constraint; two at once are ambiguous and refused."""
+    given = [s for s in specs if s is not None]
+    if len(given) > 1:
+        names = " and ".join(s.param for s in given)
+        raise GuideError(given[1].param, f"give one kind of structured output per request, got {names}")
+    return given[0] if given else None
+
+
+# ---- which engine honours a schema ---------------------------------------------------------------
+
+# Keywords outlines-core turns into its regex, faithfully. Anything else it would silently ignore
+# (minimum, multipleOf, uniqueItems, ...), so such schemas go to llguidance, which enforces more
+# and reports what it cannot.
+OUTLINES_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+    "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf", "$ref", "$defs",
+    "definitions",
+})
+OUTLINES_FORMATS = frozenset({"date", "date-time", "time", "uuid", "email", "uri"})
+ANNOTATIONS = frozenset({
+    "title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
+    "readOnly", "writeOnly",
+})
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+
+
+def schema_keywords(schema: Any) -> set[str]:
+    """Every keyword used anywhere in the schema (annotations left out)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            if key in ANNOTATIONS:
+                continue
+            found.add(key if key != "format" else f"format:{value}")
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    walk(sub)
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                for sub in value:
+                    walk(sub)
+            elif key in _SCHEMA_VALUES:
+                for sub in value if isinstance(value, list) else [value]:
+                    walk(sub)
+
+    walk(schema)
+    return found
+
+
+def outlines_honours(schema: dict[str, Any]) -> bool:
+    for keyword in schema_keywords(schema):
+        if keyword.startswith("format:"):
+            if keyword[len("format:"):] not in OUTLINES_FORMATS:
+                return False
+        elif keyword not in OUTLINES_KEYWORDS:
+            return False
+    if schema.get("type") == "object" and not schema.get("properties"):
+        return False  # outlines-core's "any object" automaton is huge (22 s, 26 MB for SmolLM2)
+    return True
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy where objects that list properties but say nothing of others allow no others.
+
+    JSON Schema allows unlisted properties by default, and a model sampled at temperature 1 will
+    invent them without end. outlines-core never generates unlisted properties; applying the same
+    rule before llguidance makes both engines generate the same shape for the same schema. The
+    outputs still validate against the user's schema (they are a subset of what it allows)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: close_objects(v) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS or key in _SCHEMA_VALUES:
+            out[key] = close_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def choice_regex(choices: list[str]) -> str:
+    """An alternation matching exactly one of the strings."""
+    return "(" + "|".join(escape(c) for c in choices) + ")"
+
+
+_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def escape(text: str) -> str:
+    """Escape for the Rust regex syntax outlines-core parses (the regex-syntax crate's escape set)."""
+    return "".join("\\" + c if c in _META else c for c in text)

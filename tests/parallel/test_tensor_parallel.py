@@ -1,0 +1,108 @@
+"""Tensor parallelism on 8 virtual CPU devices: greedy engine output at TP 2 / 4 / 8 equals TP 1
+and the no-cache reference token for token, and parameters and KV pages really are split.
+
+The device count is fixed when jax initialises its backends, so the work runs in a subprocess
+(tp_worker.py) and the rest of the suite keeps its single CPU device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_models import _BASE, TINY_CONFIGS
+
+pytestmark = pytest.mark.slow
+
+# llama3: GQA with 2 kv heads (replicated KV at TP 4 and 8); qwen2: tied embeddings and qkv biases;
+# gemma2: sliding windows, soft-caps and sandwich norms. All have 4 q heads (replicated at TP 8).
+NAMES = ("llama3", "qwen2", "gemma2")
+SIZES = (1, 2, 4, 8)
+
+# label -> (logical axis, index of the split dimension in the stacked parameter)
+SPLIT = {
+    "embed_tokens": ("vocab_size", 0),
+    "q_proj": ("num_attention_heads", 2),
+    "k_proj": ("num_key_value_heads", 2),
+    "o_proj": ("num_attention_heads", 1),
+    "gate_proj": ("intermediate_size", 2),
+    "down_proj": ("intermediate_size", 1),
+    "input_layernorm": (None, None),
+    "kv_k": ("num_key_value_heads", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("tp")
+    out = work / "report.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    worker = Path(__file__).with_name("tp_worker.py")
+    done = subprocess.run([sys.executable, str(worker), str(out), str(work), ",".join(NAMES),
+                           ",".join(map(str, SIZES))], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _size(name: str, key: str) -> int:
+    return {**_BASE, **TINY_CONFIGS[name][1]}[key]
+
+
+def test_runs_on_eight_devices(report):
+    assert report["num_devices"] == 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_output_is_the_same_at_every_tp_size(report, name):
+    model = report[name]
+    assert model["layout"]["1"]["preemptions"] > 0  # the run exercised preemption and recompute
+    for tp in map(str, SIZES):
+        for round_ in model["engine"][tp]:  # round 2 hits the prefix cache
+            assert round_ == model["reference"], f"{name} at TP {tp}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tp", SIZES[1:])
+def test_parameters_and_kv_pages_are_split(report, name, tp):
+    layout = report[name]["layout"][str(tp)]
+    for label, (axis, dim) in SPLIT.items():
+        got = layout[label]
+        assert got["devices"] == tp, label
+        split = axis is not None and _size(name, axis) % tp == 0
+        want = list(got["shape"])
+        if split:
+            want[dim] //= tp
+        assert got["shard_shapes"] == [want], f"{label} at TP {tp}"
+        spec = got["spec"] + [None] * (len(got["shape"]) - len(got["spec"]))
+        assert spec == [("model" if split and i == dim else None) for i in range(len(spec))], label
+
+
+def test_replication_is_explained(report):
+    plan = report["llama3"]["layout"]["4"]["plan"]
+    assert "k/v projections and KV cache: REPLICATED on every device (kv_heads 2 is not divisible by 4)" in plan
+    assert "attention q/o projections: heads 4 split 1 per device" in plan
+    plan = report["llama3"]["layout"]["8"]["plan"]
+    assert "attention q/o projections: REPLICATED on every device (heads 4 is not divisible by 8)" in plan
+    assert "MLP gate/up/down: intermediate_size 128 split 16 per device".replace("intermediate_size", "mlp") in plan
+
+
+def test_startup_loads_into_shards_also_from_the_orbax_cache(report):
+    got = report["startup"]
+    assert got["from_cache"] and got["same_values"]
+    for which in ("source", "cached"):
+        assert got[which]["spec"][0] == "model" and got[which]["shard_shapes"] == [[256 // 8, 64]], which
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tp", SIZES[1:])
+def test_steps_move_activations_not_weights_or_pages(report, name, tp):
+    """GSPMD's collectives must carry activations and logits only: a weight- or cache-shaped
+    collective would mean every step re-gathers the model or the KV cache."""
+    layout = report[name]["layout"][str(tp)]
+    assert layout["collectives"], "a sharded step communicates"
+    heavy = {tuple(layout["kv_k"]["shape"])} | {tuple(s) for s in layout["param_shapes"] if len(s) > 1}
+    assert not heavy & {tuple(s) for s in layout["collectives"]}
