@@ -44,12 +44,13 @@ class LoadedServing:
         )
 
 
-def resolve_max_model_len(requested: int | None, cfg: DecoderConfig) -> int:
-    limit = cfg.max_position_embeddings
+def resolve_max_model_len(requested: int | None, limit: int,
+                          what: str = "the model's max_position_embeddings") -> int:
+    """--max-model-len, defaulting to the model's own limit and never beyond it."""
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {limit}")
+        raise ValueError(f"--max-model-len {requested} exceeds {what} {limit}")
     return requested
 
 
@@ -66,7 +67,7 @@ def load(cfg: ModelConfig, tensor_parallel_size: int = 1) -> LoadedServing:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
             f"{loaded.config.vocab_size} rows"
         )
-    max_len = resolve_max_model_len(cfg.max_model_len, loaded.config)
+    max_len = resolve_max_model_len(cfg.max_model_len, loaded.config.max_position_embeddings)
     return LoadedServing(loaded, tokenizer, max_len, time.perf_counter() - start)
 
 

@@ -308,19 +308,11 @@ def _settle(future: asyncio.Future, value: Any) -> None:
         future.set_result(value)
 
 
-def resolve_max_model_len(requested: int | None, cfg: ClassifierConfig) -> int:
-    limit = cfg.max_context
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"--max-model-len {requested} exceeds what the model's position embeddings allow ({limit})")
-    return requested
-
-
 def start_classify_engine(config: "Config") -> tuple[ClassifyEngine, "Tokenizer", "LoadedClassifier", dict[str, float]]:
     """Load the classifier and its tokenizer and compile every step shape: everything before the
     first request. --max-num-seqs bounds the inputs per step, --max-num-batched-tokens the packed
     tokens (at least --max-model-len, so any valid input fits). Returns the seconds per phase too."""
+    from jaxserve.startup import resolve_max_model_len
     from jaxserve.tokenizer import load_tokenizer
     from jaxserve.weights.classifier_loader import load_classifier
 
@@ -331,7 +323,8 @@ def start_classify_engine(config: "Config") -> tuple[ClassifyEngine, "Tokenizer"
     if tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
                          f"{loaded.config.vocab_size} rows")
-    max_len = resolve_max_model_len(m.max_model_len, loaded.config)
+    max_len = resolve_max_model_len(m.max_model_len, loaded.config.max_context,
+                                    "what the model's position embeddings allow:")
     engine = ClassifyEngine(loaded.model, loaded.config, ClassifyConfig(
         max_model_len=max_len, max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,

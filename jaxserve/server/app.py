@@ -11,22 +11,22 @@ from typing import Awaitable, Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from quart import Quart, Response, jsonify, request
+from quart import Quart
 
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server import classify, openai, sglang, triton
-from jaxserve.server.auth import check_bearer
-from jaxserve.server.errors import error_response, protocol_of
+from jaxserve.server.base_app import (
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    base_app,
+    check_limits,
+)
 from jaxserve.server.generation import ServerState
 from jaxserve.server.metrics import Metrics
-from jaxserve.server.openapi import openapi_spec
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.server")
-
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
 
 def create_app(
@@ -43,57 +43,21 @@ def create_app(
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
-    if max_request_bytes < 1 or max_concurrent_requests < 1:
-        raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
-                         f"({max_concurrent_requests}) must be >= 1")
-    if request_timeout is not None and request_timeout <= 0:
-        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    app = Quart("jaxserve")
-    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes  # larger bodies -> 413
-    # Quart cuts bodies and responses at 60 s by default; a long generation must not be cut.
-    app.config["BODY_TIMEOUT"] = None
-    app.config["RESPONSE_TIMEOUT"] = None
-    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
-    app.json.sort_keys = False  # keep OpenAI's field order ("id" first), as clients' logs show it
+    check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     state = ServerState(
         engine=async_engine, tokenizer=tokenizer, model_name=served_model_name, max_model_len=max_model_len,
         max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
         metrics=_metrics(served_model_name, async_engine),
         structured=structured,
     )
-    app.extensions["jaxserve"] = state
+    app = base_app(state, api_keys, max_request_bytes,
+                   healthy=lambda: not state.draining and async_engine.error is None)
     if warm_structured:
         threading.Thread(target=lambda: state.grammars.warm_up(), name="jaxserve-grammar-warmup", daemon=True).start()
 
     @app.after_serving
     async def close_grammars() -> None:
         state.close_grammars()
-    keys = tuple(k.encode() for k in api_keys)
-
-    @app.before_request
-    async def authenticate() -> None:
-        check_bearer(request.path, request.headers.get("Authorization"), keys)
-
-    @app.errorhandler(Exception)
-    async def on_error(exc: Exception) -> Response:
-        return error_response(exc, protocol_of(request.path))
-
-    @app.get("/health")
-    async def health() -> Response:
-        """200 when serving; 503 while draining or after an engine failure."""
-        if state.draining or async_engine.error is not None:
-            return Response("", status=503)
-        return Response("", status=200)
-
-    @app.get("/openapi.json")
-    async def openapi_json() -> Response:
-        """This document."""
-        return jsonify(openapi_spec(app))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus metrics (text exposition format)."""
-        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     openai.register(app, state)
     sglang.register(app, state)

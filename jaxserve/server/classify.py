@@ -22,17 +22,19 @@ from jaxserve.engine.classify import AsyncClassifyEngine, ClassifyResult, Reques
 from jaxserve.engine.classify_batcher import probabilities
 from jaxserve.engine.request import InvalidRequestError
 from jaxserve.models.classifier import ClassifierConfig
-from jaxserve.server.auth import check_bearer
-from jaxserve.server.errors import ApiError, error_response, protocol_of
+from jaxserve.server.base_app import (
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    base_app,
+    check_limits,
+)
+from jaxserve.server.errors import ApiError, error_response
 from jaxserve.server.generation import new_id, route
 from jaxserve.server.metrics import Metrics
-from jaxserve.server.openapi import openapi_spec
 from jaxserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
 # Routes of the generation APIs, refused with a reason by a classification server.
 GENERATION_ROUTES = (
@@ -306,49 +308,14 @@ def create_classify_app(
 ) -> Quart:
     """The app of a classification model: /v1/classify and /classify, /v1/models, /health,
     /metrics, /openapi.json, SGLang's /get_model_info; generation routes answer 400."""
-    if max_request_bytes < 1 or max_concurrent_requests < 1:
-        raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
-                         f"({max_concurrent_requests}) must be >= 1")
-    if request_timeout is not None and request_timeout <= 0:
-        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    app = Quart("jaxserve")
-    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes
-    app.config["BODY_TIMEOUT"] = None
-    app.config["RESPONSE_TIMEOUT"] = None
-    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
-    app.json.sort_keys = False  # "id" first, as vLLM and SGLang send it
+    check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     metrics = Metrics(served_model_name)
     metrics.gauge("num_requests_waiting", "Inputs waiting for a classification step.", lambda: engine.num_waiting)
     metrics.gauge("num_requests_running", "Inputs queued or in a step.", lambda: engine.num_requests)
     state = ClassifyState(engine=engine, tokenizer=tokenizer, model_name=served_model_name, config=config,
                           max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                           request_timeout=request_timeout, metrics=metrics)
-    app.extensions["jaxserve"] = state  # what serve_async / the loading gate read to drain
-    keys = tuple(k.encode() for k in api_keys)
-
-    @app.before_request
-    async def authenticate() -> None:
-        check_bearer(request.path, request.headers.get("Authorization"), keys)
-
-    @app.errorhandler(Exception)
-    async def on_error(exc: Exception) -> Response:
-        return error_response(exc, protocol_of(request.path))
-
-    @app.get("/health")
-    async def health() -> Response:
-        """200 when serving; 503 while draining or after an engine failure."""
-        return Response("", status=503 if state.draining or engine.error is not None else 200)
-
-    @app.get("/openapi.json")
-    async def openapi_json() -> Response:
-        """This document."""
-        return jsonify(openapi_spec(app))
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        """Prometheus metrics (text exposition format)."""
-        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
-
+    app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None)
     route(app, state, "/v1/classify", classify, "POST", ClassifyRequest)
     route(app, state, "/classify", classify_either, "POST", ClassifyRequest)
     route(app, state, "/v1/models", models, "GET")

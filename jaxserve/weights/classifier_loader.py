@@ -28,7 +28,16 @@ from jaxserve.models.classifier import (
 )
 from jaxserve.models.config import UnsupportedModelError
 from jaxserve.weights import orbax_cache
-from jaxserve.weights.loader import ShardingFn, _leaf_paths, _set, hf_name, merge, resolve_dtype, single_device_sharding
+from jaxserve.weights.loader import (
+    ShardingFn,
+    _leaf_paths,
+    _set,
+    hf_name,
+    merge,
+    resolve_dtype,
+    restore_or_build,
+    single_device_sharding,
+)
 from jaxserve.weights.safetensors_dir import WeightsError
 from jaxserve.weights.source import ModelSource, resolve
 
@@ -214,17 +223,9 @@ def load_classifier(
     weights_dir = None
     if use_cache and cache_dir is not None:
         weights_dir = orbax_cache.entry_dir(cache_dir, source.fingerprint()) / jnp.dtype(jdtype).name
-    if weights_dir is not None and orbax_cache.exists(weights_dir):
-        graphdef, state, tree = abstract_classifier(cfg, jdtype)
-        for p, s in _leaf_paths(tree):
-            _set(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, s.shape)))
-        classifier = merge(graphdef, state, orbax_cache.restore(weights_dir, tree))
-        from_cache = True
-    else:
-        classifier = build_from_source(cfg, source, jdtype, sharding)
-        from_cache = False
-        if weights_dir is not None:
-            orbax_cache.save(weights_dir, nnx.to_pure_dict(nnx.split(classifier)[1]), source.config)
+    classifier, from_cache = restore_or_build(weights_dir, lambda: abstract_classifier(cfg, jdtype),
+                                              lambda: build_from_source(cfg, source, jdtype, sharding), sharding,
+                                              source.config)
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %d labels, %s, %d layers) in %.2fs%s", source.path, cfg.architecture, cfg.num_labels,
              jnp.dtype(jdtype).name, num_layers(cfg), seconds, " from the orbax cache" if from_cache else "")

@@ -150,6 +150,26 @@ def merge(graphdef: nnx.GraphDef, state: nnx.State, tree: dict) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
+def restore_or_build(
+    weights_dir: Path | None,
+    abstract: Callable[[], tuple[nnx.GraphDef, nnx.State, dict]],
+    build: Callable[[], Any],
+    sharding: ShardingFn,
+    source_config: dict,
+) -> tuple[Any, bool]:
+    """The module restored from the orbax cache straight into its shards, or built from the source
+    checkpoint (and then written to the cache). Returns (module, whether it came from the cache)."""
+    if weights_dir is not None and orbax_cache.exists(weights_dir):
+        graphdef, state, tree = abstract()
+        for p, s in _leaf_paths(tree):
+            _set(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, s.shape)))
+        return merge(graphdef, state, orbax_cache.restore(weights_dir, tree)), True
+    module = build()
+    if weights_dir is not None:
+        orbax_cache.save(weights_dir, nnx.to_pure_dict(nnx.split(module)[1]), source_config)
+    return module, False
+
+
 def load_model(
     model: str | Path,
     dtype: str = "auto",
@@ -176,17 +196,9 @@ def load_model(
     if sharding_for is not None:
         sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
-    if weights_dir is not None and orbax_cache.exists(weights_dir):
-        graphdef, state, tree = abstract_model(cfg, jdtype)
-        for p, s in _leaf_paths(tree):
-            _set(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, s.shape)))
-        decoder = merge(graphdef, state, orbax_cache.restore(weights_dir, tree))
-        from_cache = True
-    else:
-        decoder = build_from_source(cfg, source, jdtype, sharding)
-        from_cache = False
-        if weights_dir is not None:
-            orbax_cache.save(weights_dir, nnx.to_pure_dict(nnx.split(decoder)[1]), source.config)
+    decoder, from_cache = restore_or_build(weights_dir, lambda: abstract_model(cfg, jdtype),
+                                           lambda: build_from_source(cfg, source, jdtype, sharding), sharding,
+                                           source.config)
     seconds = time.perf_counter() - start
     log.info(
         "loaded %s (%s, %s, %d layers) in %.2fs%s",

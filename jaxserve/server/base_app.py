@@ -1,0 +1,62 @@
+"""What every jaxserve app has, whatever it serves: request limits, no response timeout, API-key
+auth, errors in each protocol's shape, /health, /openapi.json and /metrics."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.server.auth import check_bearer
+from jaxserve.server.errors import error_response, protocol_of
+from jaxserve.server.openapi import openapi_spec
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+
+
+def check_limits(max_request_bytes: int, max_concurrent_requests: int, request_timeout: float | None) -> None:
+    if max_request_bytes < 1 or max_concurrent_requests < 1:
+        raise ValueError(f"max_request_bytes ({max_request_bytes}) and max_concurrent_requests "
+                         f"({max_concurrent_requests}) must be >= 1")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+
+
+def base_app(state: Any, api_keys: tuple[str, ...], max_request_bytes: int, healthy: Callable[[], bool]) -> Quart:
+    """A Quart app holding `state` (read by serve_async and the loading gate to drain; its
+    `metrics` answer /metrics); `healthy()` decides /health. Callers add their API routes."""
+    app = Quart("jaxserve")
+    app.config["MAX_CONTENT_LENGTH"] = max_request_bytes  # larger bodies -> 413
+    # Quart cuts bodies and responses at 60 s by default; a long generation must not be cut.
+    app.config["BODY_TIMEOUT"] = None
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app.json.sort_keys = False  # keep the servers' field order ("id" first), as clients' logs show it
+    app.extensions["jaxserve"] = state
+    keys = tuple(k.encode() for k in api_keys)
+
+    @app.before_request
+    async def authenticate() -> None:
+        check_bearer(request.path, request.headers.get("Authorization"), keys)
+
+    @app.errorhandler(Exception)
+    async def on_error(exc: Exception) -> Response:
+        return error_response(exc, protocol_of(request.path))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when serving; 503 while draining or after an engine failure."""
+        return Response("", status=200 if healthy() else 503)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        """This document."""
+        return jsonify(openapi_spec(app))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        return Response(state.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
