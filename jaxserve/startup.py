@@ -54,11 +54,13 @@ def resolve_max_model_len(requested: int | None, limit: int,
     return requested
 
 
-def load(cfg: ModelConfig, tensor_parallel_size: int = 1) -> LoadedServing:
-    """Load weights (sharded over `tensor_parallel_size` local devices) and the tokenizer."""
+def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True) -> LoadedServing:
+    """Load weights (sharded over a mesh of `tensor_parallel_size` local devices; with
+    sharded=False, at size 1, plainly on one device) and the tokenizer."""
     start = time.perf_counter()
-    mesh = make_mesh(tensor_parallel_size)
+    mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
+                        load_format=cfg.load_format,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
     tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template, cache_dir=cfg.cache_dir)

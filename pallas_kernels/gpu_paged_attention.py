@@ -91,9 +91,9 @@ def _decode_kernel(
     q_ref,  # [rows, head_dim]: this kv head's query heads, padded
     k_pages_ref,  # [layers, num_pages, page_size, head_dim]: this kv head's pages of every layer
     v_pages_ref,  # [layers, num_pages, page_size, head_dim]
-    acc_ref,  # [rows, head_dim] float32
-    m_ref,  # [rows] float32
-    l_ref,  # [rows] float32
+    acc_ref,  # [rows, head_dim] float32, or the normalised output in q's dtype (one split)
+    m_ref,  # [rows] float32 (absent with one split)
+    l_ref,  # [rows] float32 (absent with one split)
     *,
     scale: float,
     softcap: float | None,
@@ -126,9 +126,17 @@ def _decode_kernel(
 
     init = online_softmax_init(rows, head_dim)
     acc, m, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    if m_ref is None:
+        # One split: nothing to combine, so normalise here and skip a float32 round trip.
+        acc_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(acc_ref.dtype)
+        return
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _single_split_kernel(lengths_ref, scalars_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, **kw):
+    _decode_kernel(lengths_ref, scalars_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, None, None, **kw)
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -184,7 +192,7 @@ def _decode_triton(
     scalars = jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer])
 
     kernel = functools.partial(
-        _decode_kernel,
+        _decode_kernel if splits > 1 else _single_split_kernel,
         scale=scale,
         softcap=softcap,
         pages_per_block=pages_per_block,
@@ -192,17 +200,31 @@ def _decode_triton(
     )
     # Every layer of kv head h: the layer is picked inside the kernel (no scalar prefetch in Triton).
     page_block = (num_layers, None, num_pages, page_size, head_dim)
+    in_specs = [
+        pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
+        pl.BlockSpec((2,), lambda b, h, s: (0,)),
+        pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
+        pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
+    ]
+    operands = (lengths.astype(jnp.int32).reshape(batch, 1), scalars, page_tables, qg, k_pages, v_pages)
+    if splits == 1:
+        out = pl.pallas_call(
+            kernel,
+            grid=(batch, kv_heads, 1),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), q.dtype),
+            compiler_params=_triton_params(num_warps, num_stages),
+            interpret=interpret,
+            name="jaxserve_paged_decode",
+        )(*operands)
+        return out[:, :, :group].reshape(batch, q_heads, head_dim)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
-        in_specs=[
-            pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((2,), lambda b, h, s: (0,)),
-            pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
-            pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
@@ -216,7 +238,7 @@ def _decode_triton(
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxserve_paged_decode",
-    )(lengths.astype(jnp.int32).reshape(batch, 1), scalars, page_tables, qg, k_pages, v_pages)
+    )(*operands)
 
     out = combine_splits(acc, m, l)[:, :, :group]
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

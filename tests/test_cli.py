@@ -42,6 +42,7 @@ def test_yaml_config_and_cli_precedence(tmp_path):
         ("dtype: float64\n", "dtype must be one of"),
         ("- a\n- b\n", "expected a mapping"),
         ("a: [\n", "not valid YAML"),
+        ("distributed: 'false'\n", "distributed must be true or false"),
     ],
 )
 def test_bad_yaml_is_refused(tmp_path, capsys, yaml_text, message):
@@ -140,10 +141,27 @@ def test_max_model_len_beyond_the_model_is_refused(tmp_path):
     assert too_long.returncode == 1 and "exceeds the model's max_position_embeddings 256" in too_long.stderr
 
 
-def test_every_preset_loads_into_the_config():
-    from pathlib import Path
+def test_multi_host_flags():
+    from jaxserve.parallel.multihost import initialize_kwargs
 
-    presets = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-    assert presets
-    for preset in presets:
-        config_from_args(parse_args(["--config", str(preset)]))
+    single = config_from_args(parse_args(["--model", "/m"])).parallel.distributed
+    assert not single.enabled
+    cfg = config_from_args(parse_args(["--model", "/m", "--coordinator-address", "10.0.0.2:8476", "--num-processes",
+                                       "4", "--process-id", "3", "--tensor-parallel-size", "16"])).parallel
+    assert cfg.distributed.enabled and cfg.tensor_parallel_size == 16  # checked against all hosts' devices later
+    # The coordinator binds where it was told, never to every interface by default.
+    assert initialize_kwargs(cfg.distributed) == dict(
+        coordinator_address="10.0.0.2:8476", coordinator_bind_address="10.0.0.2:8476", num_processes=4,
+        process_id=3, initialization_timeout=300)
+    auto = config_from_args(parse_args(["--model", "/m", "--distributed"])).parallel.distributed
+    assert auto.enabled and initialize_kwargs(auto) == dict(initialization_timeout=300)  # all auto-detected
+    bound = config_from_args(parse_args(["--model", "/m", "--coordinator-bind-address", "10.0.0.2:8476"]))
+    assert bound.parallel.distributed.enabled
+    assert initialize_kwargs(bound.parallel.distributed)["coordinator_bind_address"] == "10.0.0.2:8476"
+    for argv, message in [
+        (["--coordinator-address", "10.0.0.2"], "--coordinator-address must be HOST:PORT"),
+        (["--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1, got 2"),
+        (["--num-processes", "0"], "--num-processes must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_args(parse_args(["--model", "/m", *argv]))

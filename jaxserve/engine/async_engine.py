@@ -104,6 +104,10 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 self.engine.abort(request_id)
                 self._post(request_id, _DONE, last=True)
+            try:
+                self.engine.close()  # multi-host: the other processes stop with this one
+            except Exception:
+                log.exception("could not stop the other processes")
 
     def _drain_commands(self) -> None:
         while True:

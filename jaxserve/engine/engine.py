@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.buckets import BucketTable
@@ -29,6 +30,8 @@ from jaxserve.engine.runner import Bucket, ModelRunner, build_inputs
 from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_batch, mask_words
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.decoder import Decoder
+from jaxserve.parallel import ShardingPlan, mesh_of
+from jaxserve.parallel.multihost import StepChannel, is_leader, to_host
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.engine")
@@ -79,16 +82,32 @@ class Engine:
                 f"{self.cfg.max_position_embeddings}"
             )
         page_size = config.cache.page_size
-        num_pages = num_pages_for(config.cache, self.cfg, decoder.dtype, jax.devices()[0])
-        log.info("KV cache: %d pages = %d tokens (%.1f MiB)", num_pages, num_pages * page_size,
-                 num_pages * bytes_per_page(self.cfg, page_size, decoder.dtype) / 2**20)
-        self.allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.allocator, page_size)
+        self.vocab_size = self.cfg.vocab_size
+        mesh = mesh_of(nnx.state(decoder))
+        kv_shards = ShardingPlan(mesh, self.cfg).kv_shards if mesh is not None else 1
         self.buckets = BucketTable(sched)
         self.max_pages_per_seq = math.ceil(sched.max_model_len / page_size)
+        device = jax.local_devices()[0]
+        reserve = 0
+        if config.cache.num_pages is None and device.platform != "cpu":
+            reserve = self._step_scratch_bytes(decoder)
+        num_pages = num_pages_for(config.cache, self.cfg, decoder.dtype, device, kv_shards, reserve)
+        if jax.process_count() > 1:
+            # Every process must build the same cache and step shapes: take the smallest budget.
+            from jax.experimental import multihost_utils
+
+            num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages], np.int64))))
+        log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
+                 num_pages * bytes_per_page(self.cfg, page_size, decoder.dtype) / kv_shards / 2**20,
+                 f" per device, split {kv_shards} ways" if kv_shards > 1 else "")
+        self.allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.allocator, page_size)
         self.runner = ModelRunner(decoder, num_pages, page_size, self.max_pages_per_seq,
                                   attention_backend=config.attention_backend)
-        self.vocab_size = self.cfg.vocab_size
+        if jax.process_count() > 1:
+            # Multi-host: process 0 sends every step to the others (jaxserve.parallel.multihost).
+            self.runner.channel = StepChannel(
+                self.step_buckets(), lambda b: self.runner.abstract_inputs(b, self._sampling([], b.seqs)))
         self.eos_ids = set(self.cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
         self.requests: dict[str, _Request] = {}
         self.compile_seconds: dict[Bucket, float] = {}
@@ -96,6 +115,24 @@ class Engine:
         self.num_steps = 0
 
     # ---- start-up ------------------------------------------------------------------------------
+    def _step_scratch_bytes(self, decoder: Decoder) -> int:
+        """The most scratch (temp) memory one step needs, read from XLA's memory analysis of the
+        largest prefill and decode steps compiled against a tiny cache. The KV cache is sized from
+        what is left, so a step can never run out of memory mid-serving (vLLM profiles a forward
+        pass for the same reason)."""
+        probe = ModelRunner(decoder, self.max_pages_per_seq + 1, self.config.cache.page_size,
+                            self.max_pages_per_seq, attention_backend=self.config.attention_backend)
+        buckets = self.step_buckets()
+        largest = [max((b for b in buckets if b.kind == kind), key=lambda b: b.tokens)
+                   for kind in ("prefill", "decode")]
+        start = time.perf_counter()
+        probe.compile(largest, lambda s: self._sampling([], s))
+        scratch = max(c.memory_analysis().temp_size_in_bytes for c in probe._compiled.values())
+        log.info("step scratch memory: %.2f GiB (largest steps, measured in %.1fs); set aside before sizing "
+                 "the KV cache", scratch / 2**30, time.perf_counter() - start)
+        del probe
+        return int(scratch * 1.1) + 256 * 2**20  # headroom for allocator fragmentation
+
     def step_buckets(self) -> list[Bucket]:
         sched = self.config.scheduler
         prefill = [Bucket("prefill", t, min(sched.max_prefill_seqs, t)) for t in self.buckets.prefill_buckets]
@@ -106,7 +143,16 @@ class Engine:
         """Compile every step shape ahead of time; returns the total seconds."""
         start = time.perf_counter()
         self.compile_seconds = self.runner.compile(self.step_buckets(), lambda s: self._sampling([], s))
+        if self.runner.channel is not None:
+            self.runner.channel.warm_up()
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Release the other processes of a multi-host job (they exit); nothing to do otherwise.
+        Called from the thread that runs the steps, after the last one."""
+        if self.runner.channel is not None and is_leader():
+            self.runner.channel.stop()
+            self.runner.channel = None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -182,7 +228,7 @@ class Engine:
                 continue
             host = fetched.get(id(out))
             if host is None:
-                host = fetched[id(out)] = jax.tree_util.tree_map(np.asarray, out)
+                host = fetched[id(out)] = to_host(out)
             self._append(seq, host, row)
             touched[seq.request_id] = self.requests[seq.request_id]
         return [o for req in touched.values() if (o := self._request_delta(req)) is not None]
@@ -214,7 +260,7 @@ class Engine:
         return targets, seq.params.prompt_logprobs or 0
 
     def _store_prompt_logprobs(self, chunks: list, targets: list, prompt: Any) -> None:
-        host = jax.tree_util.tree_map(np.asarray, prompt)
+        host = to_host(prompt)
         row = 0
         for chunk, target in zip(chunks, targets):
             if target is not None:

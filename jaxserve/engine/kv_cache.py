@@ -50,10 +50,14 @@ def bytes_per_page(cfg: DecoderConfig, page_size: int, dtype: Any) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: jax.Device) -> int:
+def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: jax.Device, kv_shards: int = 1,
+                  reserve_bytes: int = 0) -> int:
     """--num-pages if given; else the memory fraction of what the device has free (on the CPU,
-    a fixed byte budget: the "device" memory is the host's and is shared with everything else)."""
-    per_page = bytes_per_page(cfg, cache.page_size, dtype)
+    a fixed byte budget: the "device" memory is the host's and is shared with everything else).
+    With the cache split `kv_shards` ways (tensor parallelism over kv heads), each device holds
+    only its share of every page, so that many more pages fit in the same memory.
+    `reserve_bytes` (the steps' scratch memory) is set aside before the fraction is taken."""
+    per_page = -(-bytes_per_page(cfg, cache.page_size, dtype) // kv_shards)
     if cache.num_pages is not None:
         return cache.num_pages
     if device.platform == "cpu":
@@ -63,7 +67,7 @@ def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: ja
         limit = stats.get("bytes_limit")
         if limit is None:
             raise ValueError("cannot read the device's memory size; pass --num-pages")
-        budget = int((limit - stats.get("bytes_in_use", 0)) * cache.kv_cache_memory_fraction)
+        budget = int((limit - stats.get("bytes_in_use", 0) - reserve_bytes) * cache.kv_cache_memory_fraction)
     pages = budget // per_page
     if pages < 2:
         raise ValueError(f"only {budget} bytes for the KV cache: not even 2 pages of {per_page} bytes")

@@ -30,6 +30,8 @@ from jaxserve.parallel import ShardingPlan, mesh_of
 
 log = logging.getLogger("jaxserve.engine")
 
+PROMPT_LOGPROBS_CHUNK = 128  # rows of prompt logprobs computed at a time (bounds the step's scratch memory)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -87,6 +89,8 @@ class ModelRunner:
         self.min_head_rows = 16 if cpu and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
         self._sampling_shape = sampling_shape
         self._compiled: dict[Bucket, Any] = {}
+        # Multi-host: the leader sends each step here before running it (set by the Engine).
+        self.channel: Any = None
         # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
         # step; weights on one device mean the plain single-device step.
         self.mesh = mesh_of(self.params)
@@ -131,13 +135,23 @@ class ModelRunner:
     def _prompt_logprobs(model: Decoder, hidden: jax.Array, inp: StepInputs) -> PromptLogprobs:
         """Logits for every scheduled token cost [tokens x vocab]; the cond computes them only in
         steps where some prompt asked for logprobs (echo, logprob_start_len), so other steps pay
-        nothing and no separate program has to be compiled."""
+        nothing and no separate program has to be compiled. They are computed in chunks of rows:
+        XLA reserves a program's scratch memory for both branches of a cond on every run, and a
+        2048-token step over a 128k vocabulary would otherwise hold ~6 GB of logits and top-k
+        scratch that the KV cache could use."""
         wanted = inp.prompt_targets >= 0
+        t = hidden.shape[0]
+        chunk = max(c for c in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % c == 0)
 
         def compute() -> PromptLogprobs:
-            lp, ids, top = token_logprobs(model.logits(hidden), jnp.maximum(inp.prompt_targets, 0),
-                                          jnp.where(wanted, inp.prompt_top_n, -1))
-            return PromptLogprobs(lp, ids, top)
+            def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                h, target, top_n = args
+                return token_logprobs(model.logits(h), target, top_n)
+
+            split = lambda a: a.reshape(t // chunk, chunk, *a.shape[1:])  # noqa: E731
+            lp, ids, top = jax.lax.map(rows, (split(hidden), split(jnp.maximum(inp.prompt_targets, 0)),
+                                              split(jnp.where(wanted, inp.prompt_top_n, -1))))
+            return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1))
 
         def skip() -> PromptLogprobs:
             t = inp.prompt_targets.shape[0]
@@ -177,6 +191,8 @@ class ModelRunner:
         compiled = self._compiled.get(bucket)
         if compiled is None:
             raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
+        if self.channel is not None and jax.process_index() == 0:
+            self.channel.send(bucket, inputs)
         self.kv, out, prompt = compiled(self.params, self.kv, inputs)
         return out, prompt
 

@@ -1,7 +1,10 @@
 """The device mesh of tensor parallelism: N local devices on one "model" axis.
 
-A tensor-parallel size of 1 builds no mesh at all: parameters stay on one device with a
-`SingleDeviceSharding` and the runner compiles exactly the unsharded step it always did.
+Every size, 1 included, builds a mesh, so one code path (sharding annotations, GSPMD) serves
+every tensor-parallel size: what runs on one chip is what runs on eight. `make_mesh(1,
+sharded=False)` gives no mesh at all (parameters on one device with a `SingleDeviceSharding`, the
+plain unannotated step); it exists so `benchmarks/engine.py --layouts` can show the mesh costs
+nothing at size 1.
 """
 
 from __future__ import annotations
@@ -24,20 +27,32 @@ def check_tensor_parallel_size(size: int, local_devices: int) -> None:
                          f"{local_devices} {jax.default_backend()} device{'s' if local_devices != 1 else ''}")
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh | None:
-    """A 1-D mesh over the first `tensor_parallel_size` local devices, or None for size 1."""
+def make_mesh(tensor_parallel_size: int, sharded: bool = True) -> Mesh | None:
+    """A 1-D mesh over the first `tensor_parallel_size` local devices; None only for
+    `sharded=False` at size 1 (the unannotated single-device baseline)."""
+    if jax.process_count() > 1:
+        # Multi-host: one mesh over every process's devices, each process owning its own shards.
+        devices = jax.devices()
+        if tensor_parallel_size != len(devices):
+            raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: under jax.distributed the mesh spans "
+                             f"all {len(devices)} devices of the {jax.process_count()} processes; pass "
+                             f"--tensor-parallel-size {len(devices)}")
+        return Mesh(np.asarray(devices), (MODEL_AXIS,))
     devices = jax.local_devices()
     check_tensor_parallel_size(tensor_parallel_size, len(devices))
-    if tensor_parallel_size == 1:
+    if not sharded:
+        if tensor_parallel_size != 1:
+            raise ValueError(f"an unsharded run needs --tensor-parallel-size 1, got {tensor_parallel_size}")
         return None
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
 def mesh_of(tree: Any) -> Mesh | None:
-    """The mesh a pytree of arrays is laid out on (None when it lives on one device). The runner
-    reads the layout from the loaded parameters, so the engine needs no separate parallel flag."""
+    """The mesh a pytree of arrays is laid out on (None when it has no mesh: the unsharded
+    baseline). The runner reads the layout from the loaded parameters, so the engine needs no
+    separate parallel flag."""
     for leaf in jax.tree_util.tree_leaves(tree):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        if isinstance(sharding, NamedSharding):
             return sharding.mesh
     return None

@@ -81,12 +81,20 @@ class ShardingPlan:
         attention of a head group reads only local pages; replicated when kv heads do not divide."""
         return NamedSharding(self.mesh, PartitionSpec(None, self.rules["kv_heads"]))
 
+    @property
+    def kv_shards(self) -> int:
+        """How many ways the KV cache is split: each device holds 1/kv_shards of every page."""
+        return self.size if self.rules["kv_heads"] else 1
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def describe(self) -> list[str]:
         """Start-up log lines: what is split, and what is replicated and why."""
         n = self.size
+        if n == 1:
+            return [f"one device ({self.mesh.devices.flat[0]}), on a mesh of size 1: the same sharded step as "
+                    "tensor parallelism, with every axis whole"]
         lines = [f"tensor parallel over {n} devices ({', '.join(str(d) for d in self.mesh.devices.flat)})"]
         for name, what in (("heads", "attention q/o projections"), ("kv_heads", "k/v projections and KV cache"),
                            ("mlp", "MLP gate/up/down"), ("vocab", "embedding and LM head")):

@@ -341,20 +341,24 @@ def register_refusals(app: Quart, state: Any) -> None:
 
 
 # ---- start-up ------------------------------------------------------------------------------------
-def detect_task(model: str, requested: str) -> str:
+def detect_task(model: str, requested: str, load_format: str = "auto") -> str:
     """--task auto|generate|classify for `model`: a checkpoint's config.json decides auto; GGUF files
     hold causal LMs only. Raises UnsupportedModelError when the asked task is impossible."""
     from jaxserve.models.classifier import resolve_task
     from jaxserve.models.config import UnsupportedModelError
     from jaxserve.weights.source import resolve
 
-    source = resolve(model)
+    source = resolve(model, weights=load_format != "dummy")
     if source.kind != "hf":  # no need to parse the GGUF header (seconds): it is a causal LM
         if requested == "classify":
             raise UnsupportedModelError(f"--task classify: {source.path.name} is a GGUF file, which holds causal "
                                         "language models only; classification loads a Hugging Face directory")
         return "generate"
-    return resolve_task(requested, source.config)
+    task = resolve_task(requested, source.config)
+    if task == "classify" and load_format == "dummy":
+        raise UnsupportedModelError("--load-format dummy: random weights are for generation models; a classifier "
+                                    "loads its checkpoint")
+    return task
 
 
 def build_classify_server(config: Any) -> tuple[Quart, AsyncClassifyEngine]:

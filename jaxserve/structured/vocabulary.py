@@ -65,6 +65,9 @@ def token_vocabulary(hf_tokenizer: Any, eos_ids: list[int] | tuple[int, ...]) ->
     added = {i: t for i, t in hf_tokenizer.added_tokens_decoder.items()}
     special |= {i for i, t in added.items() if t.special}
     size = len(hf_tokenizer)
+    # A model's config may name EOS ids its tokenizer does not have (a padded embedding): a
+    # grammar can only end on tokens the tokenizer knows.
+    eos_ids = [i for i in eos_ids if 0 <= i < size]
     pieces = hf_tokenizer.convert_ids_to_tokens(list(range(size)))
     tokens: list[bytes | None] = []
     for i, piece in enumerate(pieces):

@@ -25,6 +25,7 @@ from jaxserve.weights.source import ModelSource, resolve
 log = logging.getLogger("jaxserve.weights")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LOAD_FORMATS = ("auto", "dummy")
 
 ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding]
 
@@ -178,15 +179,24 @@ def load_model(
     use_cache: bool = True,
     sharding: ShardingFn = single_device_sharding,
     sharding_for: Callable[[DecoderConfig], ShardingFn] | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
     checkpoint of the converted parameters under cache_dir and later loads restore from it.
     sharding_for, when given, builds the sharding callback from the model's config (tensor
     parallelism needs the head counts, which are only known once the checkpoint is read)."""
     start = time.perf_counter()
-    source = resolve(model)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    dummy = load_format == "dummy"
+    if use_cache and jax.process_count() > 1:
+        # An orbax save is collective over the processes and needs one shared directory; each host
+        # reads its own shards straight from the source files instead.
+        log.info("multi-host: the orbax weight cache is off; each process loads its shards from the source")
+        use_cache = False
+    source = resolve(model, weights=not dummy)
     cached = None
-    if use_cache and cache_dir is not None:
+    if use_cache and cache_dir is not None and not dummy:
         # The dtype is part of the key, so resolve it from the checkpoint's own config first;
         # that config is cached beside the weights to avoid re-parsing the source.
         cached = orbax_cache.entry_dir(cache_dir, source.fingerprint())
@@ -196,13 +206,18 @@ def load_model(
     if sharding_for is not None:
         sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
-    decoder, from_cache = restore_or_build(weights_dir, lambda: abstract_model(cfg, jdtype),
-                                           lambda: build_from_source(cfg, source, jdtype, sharding), sharding,
-                                           source.config)
+    if dummy:
+        from jaxserve.weights.dummy import build_random
+
+        decoder, from_cache = build_random(cfg, jdtype, sharding), False
+    else:
+        decoder, from_cache = restore_or_build(weights_dir, lambda: abstract_model(cfg, jdtype),
+                                               lambda: build_from_source(cfg, source, jdtype, sharding), sharding,
+                                               source.config)
     seconds = time.perf_counter() - start
     log.info(
         "loaded %s (%s, %s, %d layers) in %.2fs%s",
         source.path, cfg.architecture, jnp.dtype(jdtype).name, cfg.num_layers, seconds,
-        " from the orbax cache" if from_cache else "",
+        " from the orbax cache" if from_cache else " (random weights: --load-format dummy)" if dummy else "",
     )
     return LoadedModel(cfg, decoder, source, jdtype, seconds, from_cache)

@@ -59,7 +59,9 @@ class ModelSource:
         return h.hexdigest()[:24]
 
 
-def resolve(model: str | Path) -> ModelSource:
+def resolve(model: str | Path, weights: bool = True) -> ModelSource:
+    """The checkpoint at `model`. With weights=False (random weights) an HF directory needs only
+    its config.json: no safetensors are looked for."""
     path = Path(model).expanduser()
     if not path.exists():
         raise WeightsError(
@@ -78,4 +80,4 @@ def resolve(model: str | Path) -> ModelSource:
         if path.suffix != ".gguf":
             raise WeightsError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
         return ModelSource(path, "gguf", [path])
-    return ModelSource(path, "hf", safetensors_dir.safetensors_files(path))
+    return ModelSource(path, "hf", safetensors_dir.safetensors_files(path) if weights else [])
