@@ -62,6 +62,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--inner", type=int, default=10, help="calls per timing (in one jitted loop)")
     p.add_argument("--num-stages", type=int, nargs="+", default=[2], help="Triton pipeline stages to try for ours")
+    # Rows per prefill program are q_block x (q heads per kv head); tensor cores want 64-256 rows and
+    # 64-128 keys per block. The first H100 run tried only 16/32 x 2/4 and the smallest won (131 TFLOP/s).
+    p.add_argument("--prefill-q-blocks", type=int, nargs="+", default=[16, 32, 64], help="query tokens per program")
+    p.add_argument("--prefill-pages-per-block", type=int, nargs="+", default=[2, 4, 8], help="pages per key block")
     p.add_argument("--memory-fraction", type=float, default=0.6, help="skip shapes whose arrays exceed this")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument(
@@ -294,8 +298,9 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
         expected = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*call, layer=layer)
         row: dict[str, Any] = dict(chunk=chunk, seqs=seqs, page_size=page_size, gflop=flops / 1e9)
         candidates = [("ours", ragged_paged_attention_gpu, dict(scale=scale, q_block=qb, pages_per_block=ppb,
-                                                                num_warps=w))  # fmt: skip
-                      for qb in (16, 32) for ppb in (2, 4) for w in (4, 8)]
+                                                                num_warps=w, num_stages=st))  # fmt: skip
+                      for qb in args.prefill_q_blocks for ppb in args.prefill_pages_per_block for w in (4, 8)
+                      for st in args.num_stages]
         candidates.append(("xla", ragged_paged_attention_reference, dict(scale=scale)))
         for name, fn, config in candidates:
             f = jax.jit(functools.partial(fn, **config))

@@ -47,11 +47,11 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
                             prefill_buckets=(args.prefill_bucket,))
     engine = Engine(ready.loaded.model, ready.tokenizer, EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=args.num_pages), scheduler=sched,
-        attention_backend=resolve_backend(args.attention_backend)))
+        attention_backend=resolve_backend(args.attention_backend), layer_loop=args.layer_loop))
     start = time.perf_counter()
     engine.compile()
     lines = [f"{layout}: compiled {len(engine.compile_seconds)} shapes in {time.perf_counter() - start:.1f}s, "
-             f"attention {engine.config.attention_backend}"]
+             f"attention {engine.config.attention_backend}, layer loop {engine.layer_loop}"]
     kv = engine.runner.kv.k
     dims = ",".join(map(str, kv.shape))
     for bucket, compiled in engine.runner._compiled.items():
@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
     p.add_argument("--layouts", nargs="+", default=["sharded", "unsharded"], choices=["sharded", "unsharded"])
+    p.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                   help="scan over stacked weights, or one buffer per layer (see python -m jaxserve --help)")
     p.add_argument("--decode-buckets", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prefill-bucket", type=int, default=1024)
     p.add_argument("--context", type=int, default=1000, help="tokens of context per sequence")

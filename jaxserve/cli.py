@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "pallas_kernels/ (GPU or TPU; on the CPU they run in Pallas interpret mode, very slowly: "
                    "for testing only); auto = the Pallas kernels on GPUs (checked and timed on an H100), the "
                    "reference on the CPU and, until the TPU kernels have been timed on a TPU, on TPUs")
+    e.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
+                   help="how the steps run the layers: scan compiles one layer body (fast start-up) but XLA copies "
+                   "each layer's weights out of the stacked parameters on every step on CPUs and GPUs; unrolled "
+                   "keeps one weight buffer per layer and reads it in place, compiling every layer (5-10x the "
+                   "compile time). auto = scan, until unrolling has been timed on a GPU")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
@@ -280,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         attention_backend=args.attention_backend,
+        layer_loop=args.layer_loop,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, distributed=distributed),
         server=ServerConfig(
             host=args.host,

@@ -99,3 +99,4 @@ class Config:
     scheduler: SchedulerConfig = SchedulerConfig()
     compilation_cache_dir: Path | None = None
     attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)
+    layer_loop: str = "auto"  # auto | scan | unrolled (jaxserve.engine.engine.resolve_layer_loop)

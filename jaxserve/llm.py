@@ -38,6 +38,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         cache_dir: Path | None = None,
         attention_backend: str = "reference",
+        layer_loop: str = "auto",
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
     ):
@@ -57,6 +58,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_prefill_seqs=max_prefill_seqs, max_model_len=max_len),
             attention_backend=attention_backend,
+            layer_loop=layer_loop,
             compilation_cache_dir=cache_dir / "xla",
         )
         self.tokenizer = self.loaded.tokenizer

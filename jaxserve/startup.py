@@ -89,7 +89,8 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
         ready.loaded.model,
         ready.tokenizer,
         EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
-                     compilation_cache_dir=config.compilation_cache_dir, attention_backend=attention_backend),
+                     compilation_cache_dir=config.compilation_cache_dir, attention_backend=attention_backend,
+                     layer_loop=config.layer_loop),
     )
     loaded = time.perf_counter()
     engine.compile()

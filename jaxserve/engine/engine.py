@@ -44,6 +44,23 @@ class EngineConfig:
     attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu (auto resolved by the caller)
     max_n: int = 128  # most samples (n / best_of) per request
     compilation_cache_dir: Path | None = None
+    layer_loop: str = "auto"  # auto | scan | unrolled (see resolve_layer_loop)
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(choice: str, platform: str | None = None) -> str:
+    """How the steps run the layers. "scan" compiles one layer body, but XLA on CPUs and GPUs
+    copies every layer's weights out of the stack on every step (on an H100 the Llama-3-8B decode
+    step ran at 3.3x its memory floor because of it); "unrolled" reads one weight buffer per layer
+    in place and compiles every layer. On the CPU the copy costs no measurable time and unrolling
+    costs 5-10x the compile time, so auto is the scan; it stays the scan on GPUs until unrolling
+    has been timed on one (benchmarks/step_profile.py --layer-loop unrolled), and TPUs fuse the
+    slice into the matmul anyway. `platform` is accepted for when the choice differs by device."""
+    if choice not in LAYER_LOOPS:
+        raise ValueError(f"--layer-loop must be one of {', '.join(LAYER_LOOPS)}, got {choice!r}")
+    return "scan" if choice == "auto" else choice
 
 
 @dataclasses.dataclass
@@ -82,6 +99,9 @@ class Engine:
                 f"{self.cfg.max_position_embeddings}"
             )
         page_size = config.cache.page_size
+        self.layer_loop = resolve_layer_loop(config.layer_loop)
+        if self.layer_loop == "unrolled":
+            decoder.unstack_layers()  # the engine owns the weights' layout from here on
         self.vocab_size = self.cfg.vocab_size
         mesh = mesh_of(nnx.state(decoder))
         kv_shards = ShardingPlan(mesh, self.cfg).kv_shards if mesh is not None else 1

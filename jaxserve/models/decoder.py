@@ -1,8 +1,17 @@
 """One Flax NNX decoder for the Llama, Mistral, Qwen2, Qwen3 and Gemma2 families.
 
-The layers are stored stacked (every layer parameter has a leading [num_layers] axis) and run with
+The layers are loaded stacked (every layer parameter has a leading [num_layers] axis) and run with
 `jax.lax.scan`, so a 30-layer model compiles one layer body instead of thirty: start-up compiles
-every bucket ahead of time, and compile time is what users wait for.
+every bucket ahead of time, and compile time is what users wait for. But a scan reads each
+layer's weights through a dynamic slice, and XLA on CPUs and GPUs copies that slice out before the
+matmuls read it: every weight is read, written and read again on every step (measured on an H100:
+the Llama-3-8B decode step at 3.3x its memory floor, its scratch exactly one layer's weights).
+`unstack_layers()` moves the weights into one buffer per layer, and the layers then run as an
+unrolled loop that reads each buffer in place: the copy is gone (SmolLM2's decode scratch drops
+from 14.2 MB, one layer, to 1.6 MB), at the price of compiling every layer. On the CPU that buys
+nothing (decode there is not bound by the copy) and costs 5-10x the compile time; on a GPU, where
+decode is bound by weight traffic, it is the candidate fix, not yet measured on one (see
+`--layer-loop` in `jaxserve.engine.engine`).
 
 Attention is a function passed in by the caller. The full no-cache forward (`dense_attention`) is
 the reference used by the parity tests; the engine passes a paged-KV-cache attention with the
@@ -198,6 +207,10 @@ class Decoder(nnx.Module):
         [b, t, hidden] and the new cache."""
         x = self.embed(tokens)
         inv_freq = rope_inv_freq(self.cfg)
+        if self.layers is None:  # unstacked: one buffer per layer, read in place
+            for i, (layer, window) in enumerate(zip(self.layer_list, self.cfg.windows())):
+                x, cache = layer(x, positions, inv_freq, attend, cache, jnp.int32(window), jnp.int32(i))
+            return self.norm(x), cache
         windows = jnp.asarray(self.cfg.windows(), jnp.int32)
         graphdef, layer_state = nnx.split(self.layers)
 
@@ -211,6 +224,29 @@ class Decoder(nnx.Module):
         (x, cache), _ = jax.lax.scan(body, (x, cache), (layer_state, windows, layer_ids))
         return self.norm(x), cache
 
+    @property
+    def unstacked(self) -> bool:
+        return self.layers is None
+
+    def unstack_layers(self) -> None:
+        """Move the stacked layer weights into one buffer per layer (in place; idempotent). Each
+        buffer keeps the stacked array's sharding minus the layer axis, and each stacked array is
+        freed as soon as its slices exist, so at most one parameter is ever held twice."""
+        if self.layers is None:
+            return
+        graphdef, stacked = nnx.split(self.layers)
+        paths_leaves = jax.tree_util.tree_flatten_with_path(stacked)[0]
+        treedef = jax.tree_util.tree_structure(stacked)
+        per_layer: list[list[Array]] = [[] for _ in range(self.cfg.num_layers)]
+        for _, leaf in paths_leaves:
+            take = _layer_taker(leaf.shape, leaf.dtype, leaf.sharding)
+            for i in range(self.cfg.num_layers):
+                per_layer[i].append(take(leaf, jnp.int32(i)))
+            leaf.delete()
+        self.layer_list = nnx.List(
+            [nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)) for leaves in per_layer])
+        self.layers = None
+
     def logits(self, hidden: Array) -> Array:
         """[..., hidden] -> float32 [..., vocab], with Gemma2's final soft-cap."""
         head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
@@ -223,6 +259,16 @@ class Decoder(nnx.Module):
         attend = dense_attention(positions, lengths, self.cfg)
         hidden, _ = self.hidden_states(tokens, positions, attend)
         return self.logits(hidden)
+
+
+def _layer_taker(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> Callable[[Array, Array], Array]:
+    """A jitted `a[i]` along the layer axis whose result keeps `sharding` minus that axis."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)
+        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+    else:
+        out = sharding
+    return jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), out_shardings=out)
 
 
 def dense_attention(positions: Array, lengths: Array, cfg: DecoderConfig) -> AttentionFn:
