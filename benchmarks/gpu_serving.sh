@@ -13,7 +13,10 @@ set -uo pipefail
 out=${1:-benchmarks/out/gpu}
 backend=${2:-auto}
 shift $(( $# > 2 ? 2 : $# ))
-# MODEL, INPUT_LEN, OUTPUT_LEN and PORT override the defaults (a tiny model smoke-tests the script).
+# MODEL, INPUT_LEN, OUTPUT_LEN and PORT override the defaults (a tiny model smoke-tests the script);
+# SWEEP (concurrencies), PER_CONCURRENCY (prompts per unit of concurrency: with 2, half the requests
+# arrive in the first burst, which dominates TTFT percentiles; 4+ measures closer to steady state)
+# and WAVE (the one-wave concurrency, 0 to skip) size the run to the time at hand.
 model=${MODEL:-.benchmodel/llama-3-8b}
 in_len=${INPUT_LEN:-1024}
 out_len=${OUTPUT_LEN:-1024}
@@ -43,11 +46,15 @@ grep -E "KV cache|ready in|attention:|model:" "$out/server.log"
 common=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "$in_len" --output-len "$out_len"
         --disable-tqdm --num-warmups 2)
 timeout "${SWEEP_TIMEOUT:-330}" "$py" -m benchmarks.serving "${common[@]}" --wait-for-server 420 \
-  --concurrency-sweep 1,16,64 --num-prompts-per-concurrency 2 --label "jaxserve-h100-$backend" \
+  --concurrency-sweep "${SWEEP:-1,16,64}" --num-prompts-per-concurrency "${PER_CONCURRENCY:-2}" \
+  --label "jaxserve-h100-$backend" \
   --result-json "$out/sweep.json" --plot-dir "$out/plots" 2>&1 | tee "$out/sweep.log" | grep -v '^{'
-timeout "${WAVE_TIMEOUT:-200}" "$py" -m benchmarks.serving "${common[@]}" \
-  --max-concurrency 256 --num-prompts 256 --label "jaxserve-h100-$backend-256" \
-  --result-json "$out/c256.json" 2>&1 | tee "$out/c256.log" | grep -v '^{'
+wave=${WAVE:-256}
+if ((wave > 0)); then
+  timeout "${WAVE_TIMEOUT:-200}" "$py" -m benchmarks.serving "${common[@]}" \
+    --max-concurrency "$wave" --num-prompts "$wave" --label "jaxserve-h100-$backend-$wave" \
+    --result-json "$out/c256.json" 2>&1 | tee "$out/c256.log" | grep -v '^{'
+fi
 kill -INT $server; wait $server; trap - EXIT
 tar -C "$out" -czf "$out/gpu_serving.tgz" server.log sweep.json sweep.log c256.json c256.log plots 2>/dev/null
 ls -la "$out"
