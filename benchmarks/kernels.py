@@ -122,25 +122,29 @@ def time_call(fn: Callable[[], Any], *, warmup: int, repeats: int, inner: int) -
 
 
 def looped(fn: Callable[..., Any], inner: int) -> Callable[..., Any]:
-    """jit(fn) run `inner` times in a fori_loop. Each call's q depends on the previous call's
-    output (times 0), so XLA can neither hoist the call out of the loop nor merge the calls."""
+    """jit(fn) run `inner` times in a fori_loop, returning the last call's output. Each call's q
+    depends on the previous output (times 0, so every call sees the same q), so XLA can neither
+    hoist the call out of the loop nor merge the calls."""
     import jax
-    import jax.numpy as jnp
 
     def run(q, *args, **kwargs):
-        def body(i, carry):
-            out = fn(q + carry, *args, **kwargs)
-            return (out.reshape(-1)[0] * 0).astype(q.dtype)
+        def body(i, out):
+            return fn(q + (out.reshape(-1)[0] * 0).astype(q.dtype), *args, **kwargs)
 
-        return jax.lax.fori_loop(0, inner, body, jnp.zeros((), q.dtype))
+        first = fn(q, *args, **kwargs)
+        return jax.lax.fori_loop(1, inner, body, first)
 
     return jax.jit(run)
 
 
-def time_looped(fn: Callable[..., Any], call: tuple[tuple, dict], *, warmup: int, repeats: int, inner: int) -> float:
-    """Median seconds per call of `fn(*call)`, timed through `looped`."""
+def checked_time(fn: Callable[..., Any], call: tuple[tuple, dict], expected: Any, *, warmup: int, repeats: int,
+                 inner: int) -> float | None:
+    """Median seconds per call of `fn(*call)` timed through `looped`, or None when its output is
+    not close to `expected`. One compilation serves both the check and the timing."""
     f = looped(fn, inner)
     args, kwargs = call
+    if not _close(f(*args, **kwargs), expected):
+        return None
     return time_call(lambda: f(*args, **kwargs), warmup=warmup, repeats=repeats, inner=1) / inner
 
 
@@ -207,15 +211,13 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                     name: str, fn: Callable[..., Any], configs: list[dict[str, Any]], call=stacked_call
                 ) -> None:
                     best = None
-                    call_args, call_kwargs = call
                     for config in configs:
-                        f = jax.jit(functools.partial(fn, **config))
                         try:
-                            if not _close(f(*call_args, **call_kwargs), expected):
+                            seconds = checked_time(functools.partial(fn, **config), call, expected, warmup=args.warmup,
+                                                   repeats=args.repeats, inner=args.inner)  # fmt: skip
+                            if seconds is None:
                                 row.setdefault("wrong", []).append(f"{name} {config}")
                                 continue
-                            seconds = time_looped(functools.partial(fn, **config), call, warmup=args.warmup,
-                                                  repeats=args.repeats, inner=args.inner)  # fmt: skip
                         except Exception as e:  # a block setting the compiler rejects: try the others
                             row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                             continue
@@ -303,13 +305,12 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
                       for st in args.num_stages]
         candidates.append(("xla", ragged_paged_attention_reference, dict(scale=scale)))
         for name, fn, config in candidates:
-            f = jax.jit(functools.partial(fn, **config))
             try:
-                if not _close(f(*call, layer=layer), expected):
+                seconds = checked_time(functools.partial(fn, **config), (call, dict(layer=layer)), expected,
+                                       warmup=args.warmup, repeats=args.repeats, inner=args.inner)  # fmt: skip
+                if seconds is None:
                     row.setdefault("wrong", []).append(f"{name} {config}")
                     continue
-                seconds = time_looped(functools.partial(fn, **config), (call, dict(layer=layer)),
-                                      warmup=args.warmup, repeats=args.repeats, inner=args.inner)  # fmt: skip
             except Exception as e:
                 row.setdefault("errors", []).append(f"{name} {config}: {type(e).__name__}: {e}"[:300])
                 continue

@@ -31,7 +31,7 @@ from jaxserve.engine.sampler import MAX_BANNED_IDS, RowParams, make_sampling_bat
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.models.decoder import Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
-from jaxserve.parallel.multihost import StepChannel, is_leader, to_host
+from jaxserve.parallel.multihost import StepChannel, is_leader, smallest_over_processes, to_host
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.engine")
@@ -111,12 +111,9 @@ class Engine:
         reserve = 0
         if config.cache.num_pages is None and device.platform != "cpu":
             reserve = self._step_scratch_bytes(decoder)
-        num_pages = num_pages_for(config.cache, self.cfg, decoder.dtype, device, kv_shards, reserve)
-        if jax.process_count() > 1:
-            # Every process must build the same cache and step shapes: take the smallest budget.
-            from jax.experimental import multihost_utils
-
-            num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages], np.int64))))
+        # Every process of a multi-host job must build the same cache: the smallest budget wins.
+        num_pages = smallest_over_processes(
+            num_pages_for(config.cache, self.cfg, decoder.dtype, device, kv_shards, reserve))
         log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
                  num_pages * bytes_per_page(self.cfg, page_size, decoder.dtype) / kv_shards / 2**20,
                  f" per device, split {kv_shards} ways" if kv_shards > 1 else "")

@@ -27,6 +27,7 @@ from jaxserve.engine.kv_cache import KVCache
 from jaxserve.engine.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
 from jaxserve.models.decoder import AttentionFn, Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
+from jaxserve.parallel.multihost import is_leader
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -191,7 +192,7 @@ class ModelRunner:
         compiled = self._compiled.get(bucket)
         if compiled is None:
             raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
-        if self.channel is not None and jax.process_index() == 0:
+        if self.channel is not None and is_leader():
             self.channel.send(bucket, inputs)
         self.kv, out, prompt = compiled(self.params, self.kv, inputs)
         return out, prompt

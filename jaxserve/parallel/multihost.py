@@ -66,6 +66,15 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+def smallest_over_processes(value: int) -> int:
+    """The smallest of every process's `value` (itself in a single process): what all can afford."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     shape: tuple[int, ...]
