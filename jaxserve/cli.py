@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", default=None, help="model name clients send and see in /v1/models "
                    "(default: the model directory or file name)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="parameter and activation dtype; auto = the checkpoint's dtype on GPU/TPU, float32 on CPU")
+                   help="parameter and activation dtype; auto = float32 for float32 checkpoints, else bfloat16 "
+                   "(16-bit and quantized GGUF checkpoints), except on CPUs without native bfloat16 "
+                   "(AVX512-BF16, AMX or Arm BF16), which get float32")
     m.add_argument("--task", default="auto", choices=["auto", "generate", "classify"],
                    help="what to serve: generate (completions, chat, /generate) or classify (POST /v1/classify "
                    "for *ForSequenceClassification, BERT/RoBERTa classifiers and reward models); auto picks from "

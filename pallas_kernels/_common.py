@@ -134,6 +134,12 @@ def attend_items(
 
     Masked logits go through `where`, never a multiply, so NaN in unused pages cannot leak; values
     past `kv_len` are zeroed before the product (0 * NaN is NaN). A row that sees nothing returns 0.
+
+    Layout, for XLA:CPU (where this is the serving path): both products run with (kv_head, item)
+    as the leading batch dimensions of both operands, which is how the gathered pages come out, so
+    XLA transposes no keys; keys and values are widened to float32 as they are gathered, because
+    XLA:CPU's bfloat16 products of a few rows fall to a slow loop. Together this made the decode
+    step's attention ~2.5x faster on the CPU than (item, row)-major bfloat16 einsums.
     """
     items, rows, kv_heads, group, head_dim = q.shape
     page_size = k_pages.shape[-2]
@@ -145,27 +151,31 @@ def attend_items(
     chunk = chunk_pages * page_size
     window = jnp.asarray(window, jnp.int32)
     row_ok = row_ok & (kv_len[:, None] > 0)
+    precision = dot_precision(q.dtype)  # widened bfloat16 values are exact in one bfloat16 pass
+    # [kv_heads, items, rows * group, head_dim]: a row's group of q heads shares the row's mask.
+    qk = q.astype(jnp.float32).transpose(2, 0, 1, 3, 4).reshape(kv_heads, items, rows * group, head_dim)
 
     def step(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         acc, m, l = carry
         idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
-        k = gather_pages(k_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim)
-        v = gather_pages(v_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim)
+        k = gather_pages(k_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim).astype(jnp.float32)
+        v = gather_pages(v_pages, idx, layer).reshape(kv_heads, items, chunk, head_dim).astype(jnp.float32)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        s = jnp.einsum("irkgd,kijd->irkgj", q, k, preferred_element_type=jnp.float32) * scale
-        s = apply_softcap(s, softcap)
+        s = jnp.einsum("kiqd,kijd->kiqj", qk, k, precision=precision) * scale
+        s = apply_softcap(s.reshape(kv_heads, items, rows, group, chunk), softcap)
         mask = visible(key_pos[None, None, :], q_pos[:, :, None], kv_len[:, None, None], window)
-        mask = (mask & row_ok[:, :, None])[:, :, None, None, :]  # [items, rows, 1, 1, chunk]
+        mask = (mask & row_ok[:, :, None])[None, :, :, None, :]  # [1, items, rows, 1, chunk]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
         p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        v = jnp.where((key_pos[None, :] < kv_len[:, None])[None, :, :, None], v, jnp.zeros((), v.dtype))
-        pv = jnp.einsum("irkgj,kijd->irkgd", p, v, preferred_element_type=jnp.float32)
+        v = jnp.where((key_pos[None, :] < kv_len[:, None])[None, :, :, None], v, 0.0)
+        pv = jnp.einsum("kiqj,kijd->kiqd", p.reshape(kv_heads, items, rows * group, chunk), v, precision=precision)
+        pv = pv.reshape(kv_heads, items, rows, group, head_dim)
         return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
-    shape = (items, rows, kv_heads, group)
+    shape = (kv_heads, items, rows, group)
     carry = (
         jnp.zeros(shape + (head_dim,), jnp.float32),
         jnp.full(shape, -jnp.inf, jnp.float32),
@@ -176,7 +186,8 @@ def attend_items(
     else:
         needed = jnp.max(jnp.where(jnp.any(row_ok, axis=1), kv_len, 0))
         acc, _, l = jax.lax.fori_loop(0, (needed + chunk - 1) // chunk, step, carry)
-    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    return out.transpose(1, 2, 0, 3, 4)  # [items, rows, kv_heads, group, head_dim]
 
 
 def gather_pages(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> jax.Array:

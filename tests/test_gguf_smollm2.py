@@ -38,6 +38,7 @@ def test_greedy_continuations_match_hf(prompts):
     from transformers import AutoModelForCausalLM
 
     loaded = load_model(smollm2_dir() / GGUF_NAME, "float32", use_cache=False)
+    assert loaded.config.dtype == "q4_1"  # what --dtype auto sees: quantized, so bfloat16 where native
     ours = greedy_reference(loaded.model, prompts, NEW_TOKENS)
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME, dtype=torch.float32).eval()

@@ -170,8 +170,11 @@ def test_bfloat16_safetensors_checkpoint(tmp_path):
     hf = make_tiny_model("qwen2", tmp_path)
     hf.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(tmp_path, "auto", use_cache=False)
-    assert loaded.dtype == jnp.float32  # auto on the CPU
     assert loaded.config.dtype == "bfloat16"
+    assert loaded.dtype == resolve_dtype("auto", "bfloat16", "cpu")  # bfloat16 iff this CPU has it natively
+    assert resolve_dtype("auto", "bfloat16", "cpu", native_bf16=False) == jnp.float32
+    assert resolve_dtype("auto", "q4_1", "cpu", native_bf16=True) == jnp.bfloat16
+    assert resolve_dtype("auto", "float32", "cpu", native_bf16=True) == jnp.float32
     assert resolve_dtype("auto", "bfloat16", "gpu") == jnp.bfloat16
     assert resolve_dtype("auto", "float16", "tpu") == jnp.bfloat16
     assert resolve_dtype("auto", "float32", "gpu") == jnp.float32

@@ -112,8 +112,10 @@ def paged_attend(
         # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
         options["chunk_pages"] = max(1, 128 // page_size)
     # A prefill bucket can have tokens == seqs too (e.g. 16 tokens, 16 seqs), so the shape alone does
-    # not prove decode; the check is one cond per layer on a few ints.
-    decode_shaped = backend != "reference" and slots.shape[0] == page_tables.shape[0]
+    # not prove decode; the check is one cond per layer on a few ints. The reference takes the decode
+    # path too: it skips the ragged work-item planning and the two row gathers around it, which cost
+    # as much as the attention itself in a CPU decode step.
+    decode_shaped = slots.shape[0] == page_tables.shape[0]
     decode = pallas_kernels.get_decode_attention(backend) if decode_shaped else None
     use_decode = decode_only(cu_q_lens, num_seqs)
     lengths = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs, kv_lens, 0)  # padding rows: 0 -> zeros
@@ -127,7 +129,7 @@ def paged_attend(
             return ragged(q[0], cache.k, cache.v, page_tables, cu_q_lens, kv_lens, num_seqs, **common, **options)
 
         def decode_step() -> jax.Array:
-            return decode(q[0], cache.k, cache.v, page_tables, lengths, **common)
+            return decode(q[0], cache.k, cache.v, page_tables, lengths, **common, **options)
 
         out = ragged_step() if decode is None else jax.lax.cond(use_decode, decode_step, ragged_step)
         return out[None], cache

@@ -87,7 +87,11 @@ class ModelRunner:
         self.max_pages_per_seq = max_pages_per_seq
         self.attention_backend = attention_backend
         cpu = jax.devices()[0].platform == "cpu"
-        self.min_head_rows = 16 if cpu and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
+        # XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about
+        # 10x slower than the same product with two rows (which goes to the matmul library), so on
+        # the CPU a bfloat16 step never multiplies a single row: one-token steps get a padding token
+        # and a one-sequence head gets a padding row.
+        self.min_rows = 2 if cpu and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
         self._sampling_shape = sampling_shape
         self._compiled: dict[Bucket, Any] = {}
         # Multi-host: the leader sends each step here before running it (set by the Engine).
@@ -115,20 +119,24 @@ class ModelRunner:
     # ---- the jitted step ----------------------------------------------------------------------
     def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
         model: Decoder = nnx.merge(self.graphdef, params)
+        tokens, positions, slots, t = inp.tokens, inp.positions, inp.slots, inp.tokens.shape[0]
+        if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens
+            pad = self.min_rows - t
+            tokens, positions, slots = jnp.pad(tokens, (0, pad)), jnp.pad(positions, (0, pad)), jnp.pad(
+                slots, (0, pad), constant_values=-1)
         attend = attention.paged_attend(
-            inp.slots, inp.page_tables, inp.cu_q_lens, inp.kv_lens, inp.num_seqs,
+            slots, inp.page_tables, inp.cu_q_lens, inp.kv_lens, inp.num_seqs,
             scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap, page_size=self.page_size,
             backend=self.attention_backend,
         )
         if self._kv_sharding is not None:
             attend = _keep_cache_layout(attend, self._kv_sharding)
-        hidden, kv = model.hidden_states(inp.tokens[None], inp.positions[None], attend, kv)
+        hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv)
+        hidden = hidden[:, :t]
         rows = hidden[0, inp.sample_rows]  # [S, hidden]
         s = rows.shape[0]
-        if s < self.min_head_rows:
-            # XLA:CPU's bfloat16 matrix-vector product is ~6x slower than a 16-row matmul (64 ms vs
-            # 11 ms for SmolLM2's 49k x 576 head on 2 cores), so small buckets pad the head's rows.
-            rows = jnp.pad(rows, ((0, self.min_head_rows - s), (0, 0)))
+        if s < self.min_rows:
+            rows = jnp.pad(rows, ((0, self.min_rows - s), (0, 0)))
         logits = model.logits(rows)[:s]  # [S, vocab] float32
         return kv, sample(logits, inp.sampling), self._prompt_logprobs(model, hidden[0], inp)
 

@@ -77,7 +77,7 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
         "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
+        "torch_dtype": weights_dtype(reader),
     }
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
@@ -85,6 +85,17 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     if "rope_freqs.weight" in names:
         raise WeightsError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
     return cfg
+
+
+def weights_dtype(reader: Any) -> str:
+    """The precision most of the weights are stored in, for --dtype auto: "float32", "float16",
+    "bfloat16", or a quantized type's name ("q4_1"), which auto treats like a 16-bit checkpoint
+    (dequantized values lose nothing that matters in bfloat16)."""
+    elements: dict[str, int] = {}
+    for t in reader.tensors:
+        elements[t.tensor_type.name] = elements.get(t.tensor_type.name, 0) + int(t.n_elements)
+    most = max(elements, key=elements.__getitem__)
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(most, most.lower())
 
 
 def _hf_name(name: str) -> str | None:

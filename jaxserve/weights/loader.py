@@ -5,6 +5,7 @@ convert dtype, stack layers, and place every array with its sharding straight fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -40,17 +41,37 @@ class LoadedModel:
     from_cache: bool
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str) -> Any:
-    """--dtype: float32 | bfloat16 | auto (the checkpoint's dtype on accelerators; float32 on the
-    CPU, where bfloat16 matmuls are emulated and slower)."""
+def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str, native_bf16: bool | None = None) -> Any:
+    """--dtype: float32 | bfloat16 | auto. auto is the checkpoint's own precision, never more: float32
+    checkpoints run in float32, 16-bit and quantized ones (GGUF) in bfloat16 -- except on a CPU
+    without native bfloat16 arithmetic (`native_bf16`, default: read from this CPU), where
+    bfloat16 products are emulated and everything runs in float32."""
     if requested in DTYPES:
         return DTYPES[requested]
     if requested != "auto":
         raise ValueError(f"--dtype {requested!r} is not one of auto, float32, bfloat16")
-    if platform == "cpu":
+    if checkpoint_dtype == "float32":
+        return jnp.float32
+    if platform == "cpu" and not (cpu_has_native_bf16() if native_bf16 is None else native_bf16):
         return jnp.float32
     # float16 checkpoints run as bfloat16: same memory, and no overflow in activations.
-    return jnp.float32 if checkpoint_dtype == "float32" else jnp.bfloat16
+    return jnp.bfloat16
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16, Arm
+    BF16), which XLA:CPU's matmuls use: there a bfloat16 step was 1.6x faster than float32 at 16
+    sequences (benchmarks/RESULTS.md). Read from /proc/cpuinfo; False where that is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(value.split()))
+    return False
 
 
 def hf_name(path: tuple[str, ...]) -> tuple[str, bool, bool]:

@@ -16,8 +16,9 @@ from typing import Any
 
 log = logging.getLogger("jaxserve.weights")
 
-# Bump when the parameter layout changes, so old caches are ignored rather than misread.
-LAYOUT_VERSION = 1
+# Bump when the parameter layout or the cached config changes, so old caches are ignored rather
+# than misread. 2: GGUF configs record the stored (e.g. quantized) dtype, which --dtype auto reads.
+LAYOUT_VERSION = 2
 
 
 def entry_dir(cache_dir: Path, fingerprint: str) -> Path:

@@ -41,3 +41,23 @@ def test_engine_greedy_equals_reference(name, tmp_path, cache_dir):
         engine.check_idle_integrity()
     assert engine.num_preemptions > 0
     assert results["1-0"].num_cached_tokens > 0
+
+
+def test_padded_one_token_steps_equal_reference(tmp_path, cache_dir):
+    """On the CPU a bfloat16 step never multiplies a single row (XLA:CPU's one-row bfloat16
+    product is ~10x slower): one-token steps carry a padding token. Forced on here in float32,
+    where exactness can be checked, the padding must change nothing: not the tokens, not the
+    cache (the padding token is never written)."""
+    import dataclasses
+
+    make_tiny_model("llama3", tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    model = load_model(tmp_path, "float32", use_cache=False).model
+    engine = Engine(model, load_tokenizer(tmp_path), dataclasses.replace(CONFIG, compilation_cache_dir=cache_dir / "xla"))
+    engine.runner.min_rows = 2  # what a bfloat16 model on the CPU gets
+    engine.compile()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("alone", PROMPTS[0], params)  # one sequence: decode runs in the one-token bucket
+    results = run_to_completion(engine, ["alone"])
+    assert results["alone"].outputs[0].token_ids == greedy_reference(model, PROMPTS[:1], 20)[0]
+    engine.check_idle_integrity()

@@ -1,0 +1,25 @@
+"""benchmarks/cpu_matmul.py: refuses bad arguments and times a real product."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import cpu_matmul  # noqa: E402
+
+
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--repeats", "0"], ["--dtypes", "float16"]])
+def test_bad_arguments_are_rejected(argv):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_matmul", *argv], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "error:" in out.stderr
+
+
+def test_times_a_product():
+    ms = cpu_matmul.time_product("int8", 2, 576, 1536, repeats=1)
+    assert 0.0 < ms < 1000.0
