@@ -39,7 +39,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
                  load_format: str = "auto", attention_backend: str = "auto", sharded: bool = True,
-                 max_num_batched_tokens: int | None = None) -> dict:
+                 max_num_batched_tokens: int | None = None, overlap: bool = True) -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.engine import Engine, EngineConfig
@@ -55,6 +55,7 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
                                   max_prefill_seqs=4, max_model_len=max_len),
         attention_backend=resolve_backend(attention_backend),
+        overlap=overlap,
     )
     engine = Engine(ready.loaded.model, ready.tokenizer, config)
     compile_s = engine.compile()
@@ -128,6 +129,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prefill tokens per step (default: max(256, --input-len))")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="finish each step before starting the next (EngineConfig.overlap=False), to time the overlap")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:
@@ -148,7 +151,8 @@ def main() -> None:
             entry[layout] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
                                          load_format=args.load_format, attention_backend=args.attention_backend,
                                          sharded=layout == "sharded",
-                                         max_num_batched_tokens=args.max_num_batched_tokens)
+                                         max_num_batched_tokens=args.max_num_batched_tokens,
+                                         overlap=not args.no_overlap)
             gc.collect()  # the first layout's weights and KV cache must be gone before the second loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)

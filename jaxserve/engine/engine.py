@@ -45,6 +45,9 @@ class EngineConfig:
     max_n: int = 128  # most samples (n / best_of) per request
     compilation_cache_dir: Path | None = None
     layer_loop: str = "auto"  # auto | scan | unrolled (see resolve_layer_loop)
+    # Start step N+1 before turning step N's tokens into text (see Engine.step); False runs each
+    # step to the end before the next starts (same tokens and text, for measuring the overlap).
+    overlap: bool = True
 
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -75,6 +78,27 @@ class _Request:
     # requested start and for token 0); filled by sample 0's prefill, sent once with its first token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose results have not been read: sampled (sequence, output, row) and
+    the prefill chunks whose prompt logprobs it computes."""
+
+    sampled: list[tuple[Sequence, Any, int]]
+    prompt_logprobs: list[tuple[list, list, Any]]  # (chunks, targets, PromptLogprobs output)
+
+
+@dataclasses.dataclass
+class _Accepted:
+    """One sampled token taken into its sequence, waiting for its text (Engine._emit)."""
+
+    seq: Sequence
+    token: int | None  # None: the grammar stopped the sequence (its final delta is still due)
+    out: Any = None  # the step's host output, for the logprobs
+    row: int = 0
+    reason: FinishReason | None = None  # EOS, stop token or length, decided when the token was taken
+    past_min: bool = False  # min_tokens reached: stop strings may end the sequence
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -130,6 +154,7 @@ class Engine:
         self.compile_seconds: dict[Bucket, float] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        self._in_flight: _InFlight | None = None
 
     # ---- start-up ------------------------------------------------------------------------------
     def _step_scratch_bytes(self, decoder: Decoder) -> int:
@@ -214,41 +239,67 @@ class Engine:
                              req.seqs[0].num_cached_tokens)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether step() has work: queued or running sequences, or a dispatched step still
+        carrying a live sequence's token."""
+        return self.scheduler.has_unfinished() or (
+            self._in_flight is not None and any(not seq.is_finished for seq, _, _ in self._in_flight.sampled))
 
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration: read the tokens of the step in flight, schedule and dispatch the
+        next step, then turn the tokens into text and output deltas while the device runs it.
+
+        Everything the next step's inputs depend on (the token ids, grammar states, penalties,
+        EOS / stop-token / length endings) is settled before it is scheduled; only the text work
+        (incremental detokenizing, stop strings, logprob objects, deltas) overlaps it. A stop
+        string found there ends its sequence one step late: the token the next step computes for
+        it is dropped unread, and its pages are freed before any later step is planned."""
+        accepted = self._complete()
+        self._dispatch()
+        if not self.config.overlap:
+            accepted += self._complete()
+        return self._emit(accepted)
+
+    def _dispatch(self) -> None:
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         if plan.is_empty:
-            return []
+            return
         self.num_steps += 1
-        sampled: list[tuple[Sequence, Any, int]] = []  # (seq, step output, row)
+        flight = _InFlight([], [])
         if plan.prefills:
             bucket = self._prefill_bucket(plan.num_prefill_tokens)
             rows = [(c.seq.token_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills]
             targets = [self._prompt_targets(c.seq, c.start, c.end) for c in plan.prefills]
             out, prompt = self._run(bucket, rows, [c.seq for c in plan.prefills], targets)
-            sampled += [(c.seq, out, i) for i, c in enumerate(plan.prefills) if c.samples]
+            flight.sampled += [(c.seq, out, i) for i, c in enumerate(plan.prefills) if c.samples]
             if any(t is not None for t in targets):
-                self._store_prompt_logprobs(plan.prefills, targets, prompt)
+                flight.prompt_logprobs.append((plan.prefills, targets, prompt))
         if plan.decodes:
             bucket = self._decode_bucket(len(plan.decodes))
             rows = [([s.token_ids[-1]], s.num_tokens - 1, s.pages) for s in plan.decodes]
             out, _ = self._run(bucket, rows, plan.decodes)
-            sampled += [(s, out, i) for i, s in enumerate(plan.decodes)]
+            flight.sampled += [(s, out, i) for i, s in enumerate(plan.decodes)]
         self.scheduler.advance(plan)
+        self._in_flight = flight
+
+    def _complete(self) -> list[_Accepted]:
+        """Wait for the step in flight (if any) and take its tokens into their sequences."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        for chunks, targets, prompt in flight.prompt_logprobs:
+            self._store_prompt_logprobs(chunks, targets, prompt)
         fetched: dict[int, Any] = {}
-        touched: dict[str, _Request] = {}
-        for seq, out, row in sampled:
-            if seq.is_finished:  # aborted while the step ran
+        accepted: list[_Accepted] = []
+        for seq, out, row in flight.sampled:
+            if seq.is_finished:  # aborted, or ended by a stop string, while the step ran
                 continue
             host = fetched.get(id(out))
             if host is None:
                 host = fetched[id(out)] = to_host(out)
-            self._append(seq, host, row)
-            touched[seq.request_id] = self.requests[seq.request_id]
-        return [o for req in touched.values() if (o := self._request_delta(req)) is not None]
+            accepted.append(self._accept(seq, host, row))
+        return accepted
 
     def _prefill_bucket(self, tokens: int) -> Bucket:
         size = self.buckets.prefill_bucket(tokens)
@@ -280,8 +331,8 @@ class Engine:
         host = to_host(prompt)
         row = 0
         for chunk, target in zip(chunks, targets):
-            if target is not None:
-                req = self.requests[chunk.seq.request_id]
+            req = self.requests.get(chunk.seq.request_id) if target is not None else None
+            if req is not None:  # (None: no logprobs asked here, or aborted while the step ran)
                 ids, n_top = target
                 for i, tid in enumerate(ids):
                     if tid >= 0:
@@ -330,11 +381,11 @@ class Engine:
         return sorted(banned)
 
     # ---- postprocessing ------------------------------------------------------------------------
-    def _append(self, seq: Sequence, out: Any, row: int) -> None:
+    def _accept(self, seq: Sequence, out: Any, row: int) -> _Accepted:
+        """Take a sampled token into its sequence and settle every ending the next step's plan
+        depends on (grammar, EOS, stop token ids, length). Stop strings wait for the text."""
         token = int(out.token[row])
         p = seq.params
-        req = self.requests[seq.request_id]
-        text = req.texts[seq.sample_index]
         grammar_done = False
         if seq.matcher is not None:
             # A complete match ends here whatever ignore_eos / min_tokens say: the grammar allows
@@ -346,32 +397,53 @@ class Engine:
                 log.error("request %s: structured output stopped: %s", seq.request_id, error)
                 seq.stop_reason = f"structured output failed: {error}"
                 self.scheduler.finish(seq, FinishReason.ABORT)
-                text.finish_text(stopped_by_string=False)
-                return
+                self.requests[seq.request_id].texts[seq.sample_index].finish_text(stopped_by_string=False)
+                return _Accepted(seq, None)
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(out.logprob[row])
-        logprob = None
-        if p.logprobs is not None:
-            top = [(int(i), float(v)) for i, v in zip(out.top_ids[row][: p.logprobs], out.top_logprobs[row][: p.logprobs])]
-            logprob = TokenLogprob(token, float(out.logprob[row]), top)
         reason: FinishReason | None = None
-        stop_reason: int | str | None = None
         past_min = seq.num_output_tokens > p.min_tokens
         if grammar_done or (token in self.eos_ids and not p.ignore_eos and past_min):
             reason = FinishReason.STOP
         elif token in p.stop_token_ids and past_min:
-            reason, stop_reason = FinishReason.STOP, token
-        matched = text.add(token, logprob, check_stops=past_min, show_text=reason is None)
-        if matched is not None:
-            reason, stop_reason = FinishReason.STOP, matched
-        elif reason is None and (
-            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= seq.max_total_tokens
-        ):
+            reason, seq.stop_reason = FinishReason.STOP, token
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= seq.max_total_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
-            seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
-            text.finish_text(stopped_by_string=matched is not None)
+        return _Accepted(seq, token, out, row, reason, past_min)
+
+    def _emit(self, accepted: list[_Accepted]) -> list[RequestOutput]:
+        """The text side of accepted tokens: detokenize, match stop strings, build the deltas."""
+        touched: dict[str, _Request] = {}
+        for a in accepted:
+            seq, p = a.seq, a.seq.params
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            touched[seq.request_id] = req
+            if a.token is None:
+                continue
+            text = req.texts[seq.sample_index]
+            logprob = None
+            if p.logprobs is not None:
+                top = [(int(i), float(v)) for i, v in zip(a.out.top_ids[a.row][: p.logprobs],
+                                                          a.out.top_logprobs[a.row][: p.logprobs])]
+                logprob = TokenLogprob(a.token, float(a.out.logprob[a.row]), top)
+            # The text of an ending token (EOS, stop token) is never shown; a length ending's is.
+            show = a.reason is None or a.reason is FinishReason.LENGTH
+            matched = text.add(a.token, logprob, check_stops=a.past_min, show_text=show)
+            if matched is not None:
+                # A stop string wins over a length ending on the same token, as if it had been
+                # seen first; the sequence may have run one more step, whose token is dropped.
+                seq.stop_reason = matched
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+            if matched is not None or a.reason is not None:
+                text.finish_text(stopped_by_string=matched is not None)
+        return [o for req in touched.values() if (o := self._request_delta(req)) is not None]
 
     def _request_delta(self, req: _Request) -> RequestOutput | None:
         hide = req.params.best_of is not None and req.params.best_of > req.params.n  # choose at the end

@@ -217,3 +217,39 @@ def test_structured_output_survives_preemption(engine, smollm2_tokenizer):
         assert all(re.fullmatch(pattern, o.text) for o in sampled.outputs), [o.text for o in sampled.outputs]
     finally:
         compiler.close()
+
+
+def test_overlapped_steps_give_the_same_outputs(engine, model, smollm2_tokenizer, cache_dir):
+    """The engine turns step N's tokens into text while step N+1 runs, so a stop string ends its
+    sequence one step late and that step's token must vanish. Everything a client sees (text,
+    token ids, logprobs, finish and stop reasons) must equal a run where every step completes
+    before the next starts, for a batch mixing every kind of ending."""
+    import dataclasses
+
+    assert engine.config.overlap
+    serial = Engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, overlap=False,
+                                                                  compilation_cache_dir=cache_dir / "xla"))
+    serial.compile()
+    chat = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
+    france = smollm2_tokenizer.encode("The capital of France is")
+    work = [
+        (france, SamplingParams(temperature=0.0, max_tokens=12, stop=["answer is"])),  # stop string mid-run
+        (france, SamplingParams(temperature=0.0, max_tokens=4, stop=["The"])),  # stop string and length race
+        (chat, SamplingParams(temperature=0.0, max_tokens=60, logprobs=2)),  # EOS
+        (chat, SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[30])),  # stop token id (".")
+        (smollm2_tokenizer.encode(LONG), SamplingParams(temperature=0.8, max_tokens=20, seed=3, n=2)),  # length
+        # One sample stops while its sibling runs on: the request stays live around the dropped token.
+        (smollm2_tokenizer.encode(LONG), SamplingParams(temperature=1.0, max_tokens=30, seed=5, n=2, stop=[" the"])),
+    ]
+    outputs = []
+    for eng in (engine, serial):
+        ids = [f"overlap-{eng.config.overlap}-{i}" for i in range(len(work))]
+        for rid, (prompt, params) in zip(ids, work):
+            eng.add_request(rid, prompt, params)
+        results = run_to_completion(eng, ids)
+        eng.check_idle_integrity()
+        outputs.append([[(o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs) for o in results[r].outputs]
+                        for r in ids])
+    assert outputs[0] == outputs[1]
+    reasons = [o[2] for request in outputs[0] for o in request]
+    assert reasons.count("stop") >= 3 and "length" in reasons
