@@ -397,7 +397,6 @@ class Engine:
                 log.error("request %s: structured output stopped: %s", seq.request_id, error)
                 seq.stop_reason = f"structured output failed: {error}"
                 self.scheduler.finish(seq, FinishReason.ABORT)
-                self.requests[seq.request_id].texts[seq.sample_index].finish_text(stopped_by_string=False)
                 return _Accepted(seq, None)
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(out.logprob[row])
@@ -422,9 +421,10 @@ class Engine:
             if req is None:
                 continue
             touched[seq.request_id] = req
-            if a.token is None:
-                continue
             text = req.texts[seq.sample_index]
+            if a.token is None:  # the grammar stopped it: release the held text
+                text.finish_text(stopped_by_string=False)
+                continue
             logprob = None
             if p.logprobs is not None:
                 top = [(int(i), float(v)) for i, v in zip(a.out.top_ids[a.row][: p.logprobs],

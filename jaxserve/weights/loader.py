@@ -61,8 +61,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str, native_b
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bfloat16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16, Arm
-    BF16), which XLA:CPU's matmuls use: there a bfloat16 step was 1.6x faster than float32 at 16
-    sequences (benchmarks/RESULTS.md). Read from /proc/cpuinfo; False where that is missing."""
+    BF16), which XLA:CPU's matmuls use: there bfloat16 served 16 sequences 1.8x faster than
+    float32 (benchmarks/RESULTS.md). Read from /proc/cpuinfo; False where that is missing."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
