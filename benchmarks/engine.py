@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (no HF baseline then)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "cpu"])
     p.add_argument("--layouts", nargs="+", default=["sharded"], choices=["sharded", "unsharded"],
                    help="sharded: a one-device mesh, the tensor-parallel path; unsharded: the plain step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

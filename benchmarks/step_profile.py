@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--model", default=default_model())
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "cpu"])
     p.add_argument("--layouts", nargs="+", default=["sharded", "unsharded"], choices=["sharded", "unsharded"])
     p.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
                    help="scan over stacked weights, or one buffer per layer (see python -m jaxserve --help)")

@@ -102,11 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=256, help="most prompt tokens prefilled in one "
                    "step; longer prompts are prefilled in chunks so running decodes keep making progress")
     e.add_argument("--max-prefill-seqs", type=int, default=4, help="most sequences sharing one prefill step")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
-                   help="paged attention implementation: the pure-jnp reference, or the Pallas kernels of "
+    e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas", "cpu"],
+                   help="paged attention implementation: the pure-jnp reference; the Pallas kernels of "
                    "pallas_kernels/ (GPU or TPU; on the CPU they run in Pallas interpret mode, very slowly: "
-                   "for testing only); auto = the Pallas kernels on GPUs (checked and timed on an H100), the "
-                   "reference on the CPU and, until the TPU kernels have been timed on a TPU, on TPUs")
+                   "for testing only); or cpu, the native CPU kernel (C++, compiled with the system compiler on "
+                   "first use and cached in ~/.cache/jaxserve/kernels or $JAXSERVE_KERNEL_CACHE). auto = the "
+                   "Pallas kernels on GPUs (checked and timed on an H100), the native kernel on the CPU when it "
+                   "builds (else the reference, with a warning; tensor-parallel CPU runs use the reference), and "
+                   "the reference on TPUs until their kernels have been timed on one")
     e.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
                    help="how the steps run the layers: scan compiles one layer body (fast start-up) but XLA copies "
                    "each layer's weights out of the stacked parameters on every step on CPUs and GPUs; unrolled "

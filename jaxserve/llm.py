@@ -37,12 +37,13 @@ class LLM:
         max_prefill_seqs: int = 4,
         enable_prefix_caching: bool = True,
         cache_dir: Path | None = None,
-        attention_backend: str = "reference",
+        attention_backend: str = "auto",
         layer_loop: str = "auto",
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
     ):
         from jaxserve.cli import default_model
+        from jaxserve.engine.attention import resolve_backend
 
         model = model or default_model()
         if model is None:
@@ -57,7 +58,7 @@ class LLM:
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_prefill_seqs=max_prefill_seqs, max_model_len=max_len),
-            attention_backend=attention_backend,
+            attention_backend=resolve_backend(attention_backend, tensor_parallel=tensor_parallel_size),
             layer_loop=layer_loop,
             compilation_cache_dir=cache_dir / "xla",
         )

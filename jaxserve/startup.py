@@ -83,7 +83,8 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     ready = load(config.model, config.parallel.tensor_parallel_size)
     log.info("model: %s", ready.summary())
     scheduler = dataclasses.replace(config.scheduler, max_model_len=ready.max_model_len)
-    attention_backend = resolve_backend(config.attention_backend)
+    attention_backend = resolve_backend(config.attention_backend,
+                                        tensor_parallel=config.parallel.tensor_parallel_size)
     log.info("attention: %s", describe_backend(attention_backend))
     engine = Engine(
         ready.loaded.model,

@@ -24,7 +24,7 @@ from pallas_kernels.paged_attention import paged_decode_attention_reference, val
 from pallas_kernels.ragged_paged_attention import PALLAS_KERNELS as _RAGGED_KERNELS
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference, validate_ragged_inputs
 
-BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("reference", "pallas_gpu", "pallas_tpu", "cpu")
 
 
 def _check_backend(backend: str) -> None:

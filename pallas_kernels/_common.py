@@ -212,7 +212,7 @@ def select_kernel(
     if backend == "reference":
         return reference
     if backend not in pallas:
-        raise ValueError(f"backend must be 'reference', 'pallas_gpu' or 'pallas_tpu', got {backend!r}")
+        raise ValueError(f"backend must be 'reference', 'pallas_gpu', 'pallas_tpu' or 'cpu', got {backend!r}")
     module, name = pallas[backend]
     return getattr(importlib.import_module(module), name)
 

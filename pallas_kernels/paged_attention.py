@@ -41,6 +41,7 @@ from pallas_kernels._common import (
 PALLAS_KERNELS = {
     "pallas_gpu": ("pallas_kernels.gpu_paged_attention", "paged_decode_attention_gpu"),
     "pallas_tpu": ("pallas_kernels.tpu_paged_attention", "paged_decode_attention_tpu"),
+    "cpu": ("pallas_kernels.cpu_attention", "paged_decode_attention_cpu"),  # native, not Pallas
 }
 
 

@@ -47,6 +47,7 @@ from pallas_kernels._common import (
 PALLAS_KERNELS = {
     "pallas_gpu": ("pallas_kernels.gpu_ragged_attention", "ragged_paged_attention_gpu"),
     "pallas_tpu": ("pallas_kernels.tpu_ragged_attention", "ragged_paged_attention_tpu"),
+    "cpu": ("pallas_kernels.cpu_attention", "ragged_paged_attention_cpu"),  # native, not Pallas
 }
 
 

@@ -5,12 +5,15 @@ page_size, head_dim] per K and V) is carried through the layer scan, and both th
 attention take the layer index and touch only that layer's pages in place: slicing a layer out
 would make XLA copy the layer's entire cache on every layer of every step.
 
-Backends (`--attention-backend`): "reference" is the pure-jnp attention (the CPU serving path);
-"pallas_gpu" / "pallas_tpu" are the Pallas kernels of `pallas_kernels`. The CLI's "auto" is the
+Backends (`--attention-backend`): "reference" is the pure-jnp attention; "pallas_gpu" /
+"pallas_tpu" are the Pallas kernels of `pallas_kernels`; "cpu" is the native CPU kernel
+(`pallas_kernels/cpu_attention.cc`, an XLA FFI call built on first use). The CLI's "auto" is the
 Pallas kernels on a GPU (checked and timed on an H100: identical greedy output, 2.5-3.5x XLA's
-decode attention from batch 8 up, see benchmarks/RESULTS.md) and the reference on the CPU and,
-until its kernels have run on a real TPU, on TPUs; "pallas" is the kernels of the machine, and on the CPU
-the GPU flavour run by the Pallas interpreter: correct but very slow, for tests and debugging only.
+decode attention from batch 8 up, see benchmarks/RESULTS.md), the native kernel on the CPU when it
+builds (16% more tokens/s than the reference at 16 sequences on SmolLM2; without a C++ compiler,
+the reference), and the reference on TPUs until their kernels have run on a real one; "pallas" is
+the kernels of the machine, and on the CPU the GPU flavour run by the Pallas interpreter: correct
+but very slow, for tests and debugging only.
 """
 
 from __future__ import annotations
@@ -28,21 +31,40 @@ from jaxserve.models.decoder import AttentionFn
 
 log = logging.getLogger("jaxserve.engine")
 
-CHOICES = ("auto", "reference", "pallas")  # what --attention-backend accepts
+CHOICES = ("auto", "reference", "pallas", "cpu")  # what --attention-backend accepts
 _PALLAS_OF_PLATFORM = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 _PLATFORM_OF_PALLAS = {backend: platform for platform, backend in _PALLAS_OF_PLATFORM.items()}
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
-    """The concrete backend ("reference", "pallas_gpu" or "pallas_tpu") of an --attention-backend
-    choice on `platform` (default: jax's default backend). Concrete names pass through."""
+def resolve_backend(name: str, platform: str | None = None, tensor_parallel: int = 1) -> str:
+    """The concrete backend ("reference", "pallas_gpu", "pallas_tpu" or "cpu") of an
+    --attention-backend choice on `platform` (default: jax's default backend). Concrete names pass
+    through; "cpu" is built here, so a missing compiler fails at start-up, not at the first step."""
     platform = platform or jax.default_backend()
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU only, not on {platform}")
+        if tensor_parallel > 1:
+            raise ValueError("--attention-backend cpu does not shard over devices; use reference with "
+                             f"--tensor-parallel-size {tensor_parallel}")
+        from pallas_kernels import cpu_attention
+
+        cpu_attention.ensure_built()
+        return name
     if name in pallas_kernels.BACKENDS:
         return name
     if name == "auto":
         # The GPU kernels passed their tests and beat XLA on an H100; the TPU kernels have only
         # run in TPU interpret mode, so TPUs keep the reference until they are timed on one.
-        return "pallas_gpu" if platform == "gpu" else "reference"
+        if platform == "gpu":
+            return "pallas_gpu"
+        if platform == "cpu" and tensor_parallel == 1:
+            # The custom call has no sharding rule: split over devices, XLA would gather the
+            # whole cache onto each of them, so tensor-parallel CPU runs keep the reference.
+            from pallas_kernels import cpu_attention
+
+            return "cpu" if cpu_attention.available() else "reference"
+        return "reference"
     if name == "pallas":
         # The generic Pallas interpreter (GPU flavour) is much faster on the CPU than TPU interpret
         # mode, which simulates every DMA and semaphore.
@@ -59,6 +81,8 @@ def is_interpreted(backend: str, platform: str | None = None) -> bool:
 def describe_backend(backend: str, platform: str | None = None) -> str:
     """One line for the start-up log."""
     platform = platform or jax.default_backend()
+    if backend == "cpu":
+        return "cpu (native kernel, pallas_kernels/cpu_attention.cc)"
     if is_interpreted(backend, platform):
         return (f"{backend} in Pallas interpret mode on {platform} (very slow: for testing the kernels only; "
                 "use --attention-backend reference to serve on the CPU)")

@@ -36,7 +36,8 @@ CONFIG = EngineConfig(
 
 # llama3: GQA 4:2, no window; gemma2: soft-cap 5 and a 5-token window on alternate layers; mistral:
 # GQA 4:1 with a window on every layer.
-CASES = [("llama3", "pallas_gpu"), ("gemma2", "pallas_gpu"), ("mistral", "pallas_gpu"), ("gemma2", "pallas_tpu")]
+CASES = [("llama3", "pallas_gpu"), ("gemma2", "pallas_gpu"), ("mistral", "pallas_gpu"), ("gemma2", "pallas_tpu"),
+         ("llama3", "cpu"), ("gemma2", "cpu"), ("mistral", "cpu")]  # cpu: the native kernel
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +121,16 @@ def test_engine_pallas_backend_equals_reference(name, backend, tiny, reference_o
 
 
 def test_resolve_backend():
-    assert attention.resolve_backend("auto", "cpu") == "reference"
+    assert attention.resolve_backend("auto", "cpu") == "cpu"  # the native kernel: this machine has g++
+    assert attention.resolve_backend("auto", "cpu", tensor_parallel=2) == "reference"  # the kernel does not shard
     assert attention.resolve_backend("auto", "gpu") == "pallas_gpu"  # checked and timed on an H100
-    assert attention.resolve_backend("auto") == "reference"  # this (CPU) machine
+    assert attention.resolve_backend("auto") == "cpu"  # this (CPU) machine
+    assert attention.resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="CPU only"):
+        attention.resolve_backend("cpu", "gpu")
+    with pytest.raises(ValueError, match="does not shard"):
+        attention.resolve_backend("cpu", "cpu", tensor_parallel=2)
+    assert "native" in attention.describe_backend("cpu", "cpu")
     assert attention.resolve_backend("auto", "tpu") == "reference"
     assert attention.resolve_backend("pallas", "gpu") == "pallas_gpu"
     assert attention.resolve_backend("pallas", "tpu") == "pallas_tpu"

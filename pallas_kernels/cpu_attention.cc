@@ -1,0 +1,421 @@
+// Paged attention for the CPU: one XLA FFI custom call for ragged (prefill, chunked prefill) and
+// decode batches over jaxserve's stacked paged KV cache. Built on first use by cpu_attention.py
+// (g++ -O3 -march=native), so it is compiled for the machine it runs on.
+//
+// Why it exists: XLA:CPU emits the pure-jnp reference's page gathers as a per-element loop and
+// materialises the gathered keys and values (widened to float32) before the products read them;
+// on SmolLM2 that made attention ~40% of a 16-sequence decode step. Here each (sequence, kv head,
+// block of query rows) reads its keys and values once, straight from the pages, and never writes
+// them anywhere.
+//
+// Semantics are the references' (pallas_kernels/ragged_paged_attention.py): query row i of
+// sequence b sits at position kv_lens[b] - q_len_b + i; key position k is visible iff k <= qpos and
+// (window == 0 or qpos - k < window); logits are q.k * scale, soft-capped as tanh(s / cap) * cap
+// when softcap > 0; softmax in float32; a row that sees nothing, and every row at or beyond
+// cu_q_lens[num_seqs], returns zeros. Out-of-range page ids are clamped, as XLA's gather clamps.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRowBlock = 16;  // query rows of one sequence handled together (they share key reads)
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert does
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int n);
+
+template <>
+inline void load_row<float>(const float* src, float* dst, int n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+
+template <>
+inline void load_row<uint16_t>(const uint16_t* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int n);
+
+template <>
+inline void store_row<float>(const float* src, float* dst, int n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+
+template <>
+inline void store_row<uint16_t>(const float* src, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+// 16 floats as one vector (GCC/Clang lower it to whatever width the CPU has).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(v16 v) {  // a shuffle tree; a plain reduction loop compiles to 16 serial adds
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) lane-wise for x <= 0 or -inf (softmax arguments), vectorisable: 2^(x log2 e) split into an
+// integer power, set in the exponent bits, times a degree-6 polynomial for 2^f on [0, 1) (relative
+// error ~2e-7, float32's own rounding). Below -87 it is 0 (the true value underflows float32).
+inline v16 exp16(v16 x) {
+  typedef int32_t i16 __attribute__((vector_size(64)));
+  const v16 xc = (x < -87.f) ? v16{} - 87.f : x;
+  const v16 t = xc * 1.44269504088896341f;
+  const i16 ti = __builtin_convertvector(t, i16);  // truncates toward 0
+  v16 fi = __builtin_convertvector(ti, v16);
+  fi = (fi > t) ? fi - 1.f : fi;  // floor
+  const v16 f = t - fi;
+  v16 q = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+  q = q * f + 9.618437357674640e-3f;
+  q = q * f + 5.550332471162809e-2f;
+  q = q * f + 2.402264791363012e-1f;
+  q = q * f + 6.931472028550421e-1f;
+  q = q * f + 1.0f;
+  const i16 bits = (__builtin_convertvector(fi, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const v16 r = q * scale;
+  return (x < -87.f) ? v16{} : r;
+}
+
+inline float hmax(v16 v) {
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  a = a > b ? a : b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c = c > e ? c : e;
+  return std::max(std::max(c[0], c[1]), std::max(c[2], c[3]));
+}
+
+// Sixteen vectors of partial sums (one per key) -> one vector of the sixteen sums, in key order.
+// Four shuffle-and-add levels, each halving the partials per key: ~3 operations per key instead of
+// a full horizontal sum per key.
+inline v16 transpose_sum(v16* x) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+struct Problem {
+  const void* q;  // [total, q_heads, head_dim]
+  const void* k;  // [layers, kv_heads, num_pages, page_size, head_dim]
+  const void* v;
+  void* out;  // like q
+  const int32_t* page_tables;  // [max_seqs, max_pages]
+  const int32_t* cu_q_lens;  // [max_seqs + 1]
+  const int32_t* kv_lens;  // [max_seqs]
+  int64_t total, q_heads, head_dim, kv_heads, num_pages, page_size, max_seqs, max_pages;
+  int64_t layer, num_seqs, window;
+  float scale, softcap;
+};
+
+struct Task {
+  int32_t seq, kv_head, row0, rows;  // rows [row0, row0 + rows) of `seq`'s new tokens
+};
+
+constexpr int kKeys = 16;  // keys per block: one vector of logits per query
+
+// One task: `rows` query rows of one sequence, the `group` q heads of one kv head, in one pass
+// over the keys with an online softmax. Keys come in blocks of up to 16 within one page; each block
+// is widened to float32 once and serves every query of the task. head_dim must be a multiple of 16.
+template <typename T, int DV>
+void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  const int64_t d = 16 * DV, group = p.q_heads / p.kv_heads, nq = t.rows * group;
+  const int64_t start = p.cu_q_lens[t.seq], q_len = p.cu_q_lens[t.seq + 1] - start;
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[t.seq], p.max_pages * p.page_size);
+  const int64_t first_pos = kv_len - q_len + t.row0;  // position of the block's first row
+  const int64_t last_pos = first_pos + t.rows - 1;
+  const int64_t hi = std::min(last_pos + 1, kv_len);  // keys any row can see: [lo, hi)
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  scratch.resize(static_cast<size_t>(2 * nq * d + kKeys * d + 2 * nq + nq * kKeys));
+  float* qf = scratch.data();  // [nq, d] scaled queries
+  float* acc = qf + nq * d;  // [nq, d] unnormalised outputs
+  float* kb = acc + nq * d;  // [kKeys, d] the block's keys, then its values, in float32
+  float* m = kb + kKeys * d;  // [nq] running max
+  float* l = m + nq;  // [nq] running sum
+  float* pb = l + nq;  // [nq, kKeys] the block's probabilities
+
+  const T* q = static_cast<const T*>(p.q);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      float* dst = qf + (r * group + g) * d;
+      load_row<T>(q + ((start + t.row0 + r) * p.q_heads + t.kv_head * group + g) * d, dst, static_cast<int>(d));
+      for (int64_t i = 0; i < d; ++i) dst[i] *= p.scale;
+    }
+  std::fill(acc, acc + nq * d, 0.f);
+  std::fill(m, m + nq, neg_inf);
+  std::fill(l, l + nq, 0.f);
+
+  const int64_t layer_off = (p.layer * p.kv_heads + t.kv_head) * p.num_pages * p.page_size * d;
+  const T* k_layer = static_cast<const T*>(p.k) + layer_off;
+  const T* v_layer = static_cast<const T*>(p.v) + layer_off;
+  const int32_t* table = p.page_tables + static_cast<int64_t>(t.seq) * p.max_pages;
+  const int64_t page_elems = p.page_size * d;
+  auto page_offset = [&](int64_t index) {
+    int64_t page = table[std::min<int64_t>(index, p.max_pages - 1)];
+    return std::min<int64_t>(std::max<int64_t>(page, 0), p.num_pages - 1) * page_elems;
+  };
+
+  v16 partial[kKeys];
+  for (int64_t pos = lo; pos < hi;) {
+    const int64_t index = pos / p.page_size, slot = pos % p.page_size;
+    const int64_t count = std::min<int64_t>({kKeys, p.page_size - slot, hi - pos});
+    const int64_t off = page_offset(index) + slot * d;
+    if (slot + count == p.page_size && pos + count < hi) {  // next page: scattered, so prefetch it
+      const int64_t next = page_offset(index + 1);
+      for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_layer + next) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_layer + next) + b);
+      }
+    }
+    for (int64_t j = 0; j < count; ++j) load_row<T>(k_layer + off + j * d, kb + j * d, static_cast<int>(d));
+
+    // Logits and probabilities of the block, query by query.
+    bool any = false;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const int64_t qpos = first_pos + r;
+      v16 lane_ok = {};
+      for (int j = 0; j < kKeys; ++j) {
+        const int64_t kpos = pos + j;
+        lane_ok[j] = (j < count && kpos <= qpos && (p.window <= 0 || qpos - kpos < p.window)) ? 1.f : 0.f;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = r * group + g;
+        const float* qi = qf + i * d;
+        for (int j = 0; j < kKeys; ++j) {
+          v16 sum = {};
+          if (j < count)
+            for (int c = 0; c < DV; ++c) sum += load16(qi + 16 * c) * load16(kb + j * d + 16 * c);
+          partial[j] = sum;
+        }
+        v16 s16 = transpose_sum(partial);
+        if (p.softcap > 0.f)
+          for (int j = 0; j < kKeys; ++j) s16[j] = std::tanh(s16[j] / p.softcap) * p.softcap;
+        s16 = lane_ok > 0.f ? s16 : v16{} + neg_inf;
+        const float bm = hmax(s16);
+        float* pi = pb + i * kKeys;
+        if (bm == neg_inf) {  // nothing visible to this query in the block
+          std::memset(pi, 0, sizeof(float) * kKeys);
+          continue;
+        }
+        any = true;
+        const float m_new = std::max(m[i], bm);
+        const float alpha = m[i] == neg_inf ? 0.f : exp16(v16{} + (m[i] - m_new))[0];
+        const v16 p16 = exp16(s16 - m_new);
+        std::memcpy(pi, &p16, sizeof p16);
+        l[i] = l[i] * alpha + hsum(p16);
+        m[i] = m_new;
+        if (alpha != 1.f) {
+          float* a = acc + i * d;
+          for (int64_t c = 0; c < d; ++c) a[c] *= alpha;
+        }
+      }
+    }
+    if (any) {  // probabilities times values; a zero probability never touches a (maybe NaN) value
+      for (int64_t j = 0; j < count; ++j) load_row<T>(v_layer + off + j * d, kb + j * d, static_cast<int>(d));
+      for (int64_t i = 0; i < nq; ++i) {  // query-major: the query's output stays in registers
+        const float* pi = pb + i * kKeys;
+        float* a = acc + i * d;
+        v16 av[DV];
+        for (int c = 0; c < DV; ++c) av[c] = load16(a + 16 * c);
+        for (int64_t j = 0; j < count; ++j) {
+          const float w = pi[j];
+          if (w == 0.f) continue;
+          const float* vj = kb + j * d;
+          for (int c = 0; c < DV; ++c) av[c] += w * load16(vj + 16 * c);
+        }
+        for (int c = 0; c < DV; ++c) std::memcpy(a + 16 * c, &av[c], sizeof(v16));
+      }
+    }
+    pos += count;
+  }
+
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = r * group + g;
+      float* a = acc + i * d;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      for (int64_t c = 0; c < d; ++c) a[c] *= inv;
+      store_row<T>(a, out + ((start + t.row0 + r) * p.q_heads + t.kv_head * group + g) * d, static_cast<int>(d));
+    }
+}
+
+template <typename T>
+void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  // head_dim / 16 as a constant, so a query's output and the key block's rows stay in registers.
+  // The head dims listed in cpu_attention.HEAD_DIMS; Attention() refuses the others.
+  switch (p.head_dim / 16) {
+    case 1: return run_task_dv<T, 1>(p, t, scratch);
+    case 2: return run_task_dv<T, 2>(p, t, scratch);
+    case 3: return run_task_dv<T, 3>(p, t, scratch);
+    case 4: return run_task_dv<T, 4>(p, t, scratch);
+    case 5: return run_task_dv<T, 5>(p, t, scratch);
+    case 6: return run_task_dv<T, 6>(p, t, scratch);
+    case 7: return run_task_dv<T, 7>(p, t, scratch);
+    case 8: return run_task_dv<T, 8>(p, t, scratch);
+    case 12: return run_task_dv<T, 12>(p, t, scratch);
+    default: return run_task_dv<T, 16>(p, t, scratch);
+  }
+}
+
+// Work shared by the caller and the pool's threads; held by shared_ptr so a worker that starts
+// after all tasks are taken (the pool may be busy with other ops) touches nothing that is gone.
+struct Shared {
+  std::vector<Task> tasks;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> done{0};
+};
+
+template <typename T>
+void drain(const Problem& p, Shared& sh) {
+  std::vector<float> scratch;
+  for (size_t i; (i = sh.next.fetch_add(1)) < sh.tasks.size();) {
+    run_task<T>(p, sh.tasks[i], scratch);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename T, typename Pool>
+void run_all(const Problem& p, Pool& pool) {
+  auto sh = std::make_shared<Shared>();
+  const int64_t group_rows = kRowBlock;
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int32_t q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
+    if (q_len <= 0 || p.kv_lens[b] <= 0) continue;
+    for (int32_t r0 = 0; r0 < q_len; r0 += group_rows)
+      for (int32_t h = 0; h < p.kv_heads; ++h)
+        sh->tasks.push_back({static_cast<int32_t>(b), h, r0, std::min<int32_t>(group_rows, q_len - r0)});
+  }
+  // Rows with no task (padding, empty sequences) are zeros.
+  std::vector<char> covered(static_cast<size_t>(p.total), 0);
+  for (const Task& t : sh->tasks)
+    for (int32_t r = 0; r < t.rows; ++r) covered[p.cu_q_lens[t.seq] + t.row0 + r] = 1;
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = 0; i < p.total; ++i)
+    if (!covered[i]) std::memset(out + i * p.q_heads * p.head_dim, 0, sizeof(T) * p.q_heads * p.head_dim);
+
+  // The calling thread works too, so the pool adds at most num_threads - 1 (XLA's pool has one thread per core).
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(sh->tasks.size()) - 1);
+  for (int64_t w = 0; w < helpers; ++w) {
+    Problem copy = p;
+    pool.Schedule([sh, copy] { drain<T>(copy, *sh); });
+  }
+  drain<T>(p, *sh);
+  while (sh->done.load(std::memory_order_acquire) < sh->tasks.size()) std::this_thread::yield();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                     ffi::Buffer<ffi::S32> window, float scale, float softcap, ffi::Result<ffi::AnyBuffer> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("cpu paged attention: q must be 3-D, the cache 5-D, page_tables 2-D");
+  if (q.element_type() != k.element_type() || k.element_type() != v.element_type() ||
+      out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("cpu paged attention: q, the cache and the output must share a dtype");
+  Problem p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.page_tables = page_tables.typed_data();
+  p.cu_q_lens = cu_q_lens.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.total = qd[0];
+  p.q_heads = qd[1];
+  p.head_dim = qd[2];
+  p.kv_heads = kd[1];
+  p.num_pages = kd[2];
+  p.page_size = kd[3];
+  p.max_seqs = pd[0];
+  p.max_pages = pd[1];
+  p.layer = layer.typed_data()[0];
+  p.num_seqs = std::min<int64_t>(std::max<int64_t>(num_seqs.typed_data()[0], 0), p.max_seqs);
+  p.window = window.typed_data()[0];
+  p.scale = scale;
+  p.softcap = softcap;
+  if (kd[4] != p.head_dim || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0)
+    return ffi::Error::InvalidArgument("cpu paged attention: q heads / head_dim do not match the cache");
+  const int64_t dv = p.head_dim / 16;
+  if (p.head_dim % 16 != 0 || dv < 1 || (dv > 8 && dv != 12 && dv != 16))
+    return ffi::Error::InvalidArgument("cpu paged attention: head_dim must be 16..128 in steps of 16, 192 or 256");
+  if (p.layer < 0 || p.layer >= kd[0]) return ffi::Error::InvalidArgument("cpu paged attention: layer out of range");
+  if (q.element_type() == ffi::DataType::F32) {
+    run_all<float>(p, pool);
+  } else if (q.element_type() == ffi::DataType::BF16) {
+    run_all<uint16_t>(p, pool);
+  } else {
+    return ffi::Error::InvalidArgument("cpu paged attention: dtype must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#ifndef JAXSERVE_STANDALONE
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k pages (stacked)
+                                  .Arg<ffi::AnyBuffer>()  // v pages (stacked)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::AnyBuffer>());
+#endif
