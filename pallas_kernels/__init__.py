@@ -1,4 +1,5 @@
-"""Paged attention over jaxserve's paged KV cache: pure-jnp references, validators and Pallas kernels.
+"""Paged attention over jaxserve's paged KV cache: pure-jnp references, validators, Pallas kernels
+(GPU, TPU) and a native CPU kernel (`cpu_attention`, an XLA FFI call).
 
 KV cache layout (the engine follows it): separate K and V arrays, each
 `[num_kv_heads, num_pages, page_size, head_dim]` per layer; token t of sequence b is at page
@@ -9,8 +10,8 @@ function here also takes that stack with `layer=` (an int32 scalar, traced insid
 scan) and reads that layer's pages in place, never slicing the layer out (which would copy it).
 
 `get_decode_attention(backend)` / `get_ragged_attention(backend)` return a callable with the
-reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu"}. Kernel modules are
-imported only when asked for, so the CPU serving path never imports Pallas.
+reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu", "cpu"}. Kernel modules
+are imported only when asked for, so the CPU serving path never imports Pallas.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Exports the triple every kernel module has:
 
-- `paged_decode_attention_reference` — pure jnp, jit-friendly, the CPU serving path and the oracle
+- `paged_decode_attention_reference` — pure jnp, jit-friendly, the CPU fallback and the oracle
   that the kernels are tested against;
 - `validate_decode_inputs` — shapes, dtypes, head divisibility, page-table bounds (when concrete);
 - `paged_decode_attention` — the Pallas kernels, selected by backend name ("pallas_gpu" ->

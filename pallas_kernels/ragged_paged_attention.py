@@ -8,7 +8,7 @@ sequence b sits at position `kv_lens[b] - q_len_b + i` and attends causally, wit
 sliding-window rules of `paged_attention`. Rows at or beyond `cu_q_lens[num_seqs]` are padding and
 return zeros.
 
-Exports `ragged_paged_attention_reference` (pure jnp, the CPU serving path), `validate_ragged_inputs`
+Exports `ragged_paged_attention_reference` (pure jnp, the oracle and CPU fallback), `validate_ragged_inputs`
 and `ragged_paged_attention` (the Pallas kernel of a backend: `gpu_ragged_attention` or
 `tpu_ragged_attention`, same signature). The new K/V are written first with `kv_write.write_kv`.
 
