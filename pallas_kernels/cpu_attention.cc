@@ -12,7 +12,8 @@
 // sequence b sits at position kv_lens[b] - q_len_b + i; key position k is visible iff k <= qpos and
 // (window == 0 or qpos - k < window); logits are q.k * scale, soft-capped as tanh(s / cap) * cap
 // when softcap > 0; softmax in float32; a row that sees nothing, and every row at or beyond
-// cu_q_lens[num_seqs], returns zeros. Out-of-range page ids are clamped, as XLA's gather clamps.
+// cu_q_lens[num_seqs], returns zeros. Out-of-range page ids (never produced by the engine) are
+// clamped into [0, num_pages) so they cannot read outside the cache.
 
 #include <algorithm>
 #include <atomic>
@@ -91,16 +92,17 @@ inline float hsum(v16 v) {  // a shuffle tree; a plain reduction loop compiles t
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x) lane-wise for x <= 0 or -inf (softmax arguments), vectorisable: 2^(x log2 e) split into an
-// integer power, set in the exponent bits, times a degree-6 polynomial for 2^f on [0, 1) (relative
-// error ~2e-7, float32's own rounding). Below -87 it is 0 (the true value underflows float32).
+// exp(x) lane-wise for x <= 0 or -inf (softmax arguments), vectorisable: 2^(x log2 e) split into the
+// nearest integer power, set in the exponent bits, times Cephes' exp2f polynomial for 2^f on
+// [-0.5, 0.5] (relative error ~2e-7 for x > -2, ~1e-6 for x > -20: the rounding of x log2 e).
+// Below -87 it is 0 (the true value underflows float32 there anyway).
 inline v16 exp16(v16 x) {
   typedef int32_t i16 __attribute__((vector_size(64)));
   const v16 xc = (x < -87.f) ? v16{} - 87.f : x;
   const v16 t = xc * 1.44269504088896341f;
-  const i16 ti = __builtin_convertvector(t, i16);  // truncates toward 0
-  v16 fi = __builtin_convertvector(ti, v16);
-  fi = (fi > t) ? fi - 1.f : fi;  // floor
+  const v16 half = t + 0.5f;
+  v16 fi = __builtin_convertvector(__builtin_convertvector(half, i16), v16);  // truncates toward 0
+  fi = (fi > half) ? fi - 1.f : fi;  // floor(t + 0.5): t rounded to the nearest integer
   const v16 f = t - fi;
   v16 q = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
   q = q * f + 9.618437357674640e-3f;
@@ -157,6 +159,7 @@ struct Problem {
 
 struct Task {
   int32_t seq, kv_head, row0, rows;  // rows [row0, row0 + rows) of `seq`'s new tokens
+  int64_t start, q_len;  // the sequence's first row in q and its number of new tokens (validated)
 };
 
 constexpr int kKeys = 16;  // keys per block: one vector of logits per query
@@ -167,7 +170,7 @@ constexpr int kKeys = 16;  // keys per block: one vector of logits per query
 template <typename T, int DV>
 void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
   const int64_t d = 16 * DV, group = p.q_heads / p.kv_heads, nq = t.rows * group;
-  const int64_t start = p.cu_q_lens[t.seq], q_len = p.cu_q_lens[t.seq + 1] - start;
+  const int64_t start = t.start, q_len = t.q_len;
   const int64_t kv_len = std::min<int64_t>(p.kv_lens[t.seq], p.max_pages * p.page_size);
   const int64_t first_pos = kv_len - q_len + t.row0;  // position of the block's first row
   const int64_t last_pos = first_pos + t.rows - 1;
@@ -328,17 +331,25 @@ template <typename T, typename Pool>
 void run_all(const Problem& p, Pool& pool) {
   auto sh = std::make_shared<Shared>();
   const int64_t group_rows = kRowBlock;
+  // Each sequence's rows are clamped into [end of the previous sequence, total]: under jit nothing
+  // validated cu_q_lens, and an inconsistent one must neither write outside `out` nor have two
+  // tasks write the same rows.
+  int64_t prev_end = 0;
   for (int64_t b = 0; b < p.num_seqs; ++b) {
-    const int32_t q_len = p.cu_q_lens[b + 1] - p.cu_q_lens[b];
+    const int64_t start = std::min<int64_t>(std::max<int64_t>(p.cu_q_lens[b], prev_end), p.total);
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(p.cu_q_lens[b + 1], start), p.total);
+    prev_end = end;
+    const int64_t q_len = end - start;
     if (q_len <= 0 || p.kv_lens[b] <= 0) continue;
-    for (int32_t r0 = 0; r0 < q_len; r0 += group_rows)
+    for (int64_t r0 = 0; r0 < q_len; r0 += group_rows)
       for (int32_t h = 0; h < p.kv_heads; ++h)
-        sh->tasks.push_back({static_cast<int32_t>(b), h, r0, std::min<int32_t>(group_rows, q_len - r0)});
+        sh->tasks.push_back({static_cast<int32_t>(b), h, static_cast<int32_t>(r0),
+                             static_cast<int32_t>(std::min<int64_t>(group_rows, q_len - r0)), start, q_len});
   }
   // Rows with no task (padding, empty sequences) are zeros.
   std::vector<char> covered(static_cast<size_t>(p.total), 0);
   for (const Task& t : sh->tasks)
-    for (int32_t r = 0; r < t.rows; ++r) covered[p.cu_q_lens[t.seq] + t.row0 + r] = 1;
+    for (int32_t r = 0; r < t.rows; ++r) covered[t.start + t.row0 + r] = 1;
   T* out = static_cast<T*>(p.out);
   for (int64_t i = 0; i < p.total; ++i)
     if (!covered[i]) std::memset(out + i * p.q_heads * p.head_dim, 0, sizeof(T) * p.q_heads * p.head_dim);
@@ -363,6 +374,11 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (q.element_type() != k.element_type() || k.element_type() != v.element_type() ||
       out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("cpu paged attention: q, the cache and the output must share a dtype");
+  if (static_cast<int64_t>(cu_q_lens.element_count()) != pd[0] + 1 ||
+      static_cast<int64_t>(kv_lens.element_count()) != pd[0] || num_seqs.element_count() != 1 ||
+      layer.element_count() != 1 || window.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "cpu paged attention: cu_q_lens must be [max_seqs + 1], kv_lens [max_seqs], num_seqs/layer/window scalars");
   Problem p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -384,6 +400,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   p.window = window.typed_data()[0];
   p.scale = scale;
   p.softcap = softcap;
+  if (p.num_pages < 1 || p.page_size < 1)
+    return ffi::Error::InvalidArgument("cpu paged attention: the cache must hold at least one page of one slot");
   if (kd[4] != p.head_dim || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0)
     return ffi::Error::InvalidArgument("cpu paged attention: q heads / head_dim do not match the cache");
   const int64_t dv = p.head_dim / 16;

@@ -98,9 +98,13 @@ def _build() -> Path:
 def _register() -> None:
     """Build (or find) the kernel and register it with XLA once per process; raises BuildError."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        path = _build()
+    except OSError as e:  # e.g. a read-only cache directory
+        raise BuildError(f"building the native CPU attention kernel failed: {e}") from e
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
-        raise BuildError(f"loading the native CPU attention kernel failed: {e}") from e
+        raise BuildError(f"loading the native CPU attention kernel {path} failed: {e}") from e
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
 
 
@@ -120,8 +124,11 @@ def available() -> bool:
         return False
 
 
-def supports(head_dim: int, dtype: Any) -> bool:
-    """Whether the kernel computes this head_dim and cache dtype (else the reference does)."""
+def supports(head_dim: int, dtype: Any, q_dtype: Any = None) -> bool:
+    """Whether the kernel computes this head_dim and cache dtype, with queries of that same dtype
+    (else the reference does: it keeps float32 queries over a bfloat16 cache in float32)."""
+    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+        return False
     return head_dim in HEAD_DIMS and any(jnp.dtype(dtype) == jnp.dtype(d) for d in DTYPES)
 
 
@@ -130,15 +137,12 @@ def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax
           layer: Any) -> jax.Array:
     _register()
     k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
-    dtype = q.dtype
-    if k_pages.dtype != dtype:  # the kernel reads one dtype for queries and cache
-        q = q.astype(k_pages.dtype)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_pages, v_pages, i32(page_tables), i32(cu_q_lens), i32(kv_lens), i32(num_seqs).reshape(()),
         i32(layer).reshape(()), i32(window).reshape(()),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
-    return out.astype(dtype)
+    return out
 
 
 def ragged_paged_attention_cpu(
@@ -157,7 +161,7 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """`ragged_paged_attention_reference`, computed by the native kernel (by the reference itself
     for a head_dim or dtype the kernel does not cover)."""
-    if not supports(q.shape[-1], k_pages.dtype):
+    if not supports(q.shape[-1], k_pages.dtype, q.dtype):
         return ragged_paged_attention_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                                                 scale=scale, softcap=softcap, window=window, layer=layer)
     return _call(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
@@ -178,7 +182,7 @@ def paged_decode_attention_cpu(
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """`paged_decode_attention_reference`, computed by the native kernel: a ragged batch of one
     token per sequence (a length-0 row is padding and returns zeros)."""
-    if not supports(q.shape[-1], k_pages.dtype):
+    if not supports(q.shape[-1], k_pages.dtype, q.dtype):
         return paged_decode_attention_reference(q, k_pages, v_pages, page_tables, lengths,
                                                 scale=scale, softcap=softcap, window=window, layer=layer)
     batch = q.shape[0]

@@ -122,3 +122,40 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ / c++ / clang++ either
     with pytest.raises(cpu_attention.BuildError, match="no C\\+\\+ compiler"):
         cpu_attention._compiler()
+
+
+def test_wide_logits_and_mixed_dtypes():
+    """Logits spread over ~+-60 (the kernel's own exp across its whole range) in float32, and
+    float32 queries over a bfloat16 cache, which the kernel leaves to the reference (it keeps the
+    queries in float32, where the kernel would round them)."""
+    rng = np.random.default_rng(3)
+    lengths = [37, 64, 5]
+    tables, written = paged_batch(rng, lengths, page=16, max_pages=4, num_pages=12)
+    k, v = make_cache(rng, layers=1, kv_heads=2, num_pages=12, page=16, dim=32, dtype="float32", written=written)
+    q = jnp.asarray(rng.standard_normal((3, 4, 32)) * 3.0, jnp.float32)
+    args = (q, k, v, jnp.asarray(tables), jnp.asarray(np.array(lengths, np.int32)))
+    out = cpu_attention.paged_decode_attention_cpu(*args, scale=1.0, layer=0)
+    ref = paged_decode_attention_reference(*args, scale=1.0, layer=0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL["float32"])  # float32 rounding of |s| ~ 60
+
+    k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    mixed = (q, k16, v16) + args[3:]
+    assert not cpu_attention.supports(32, jnp.bfloat16, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cpu_attention.paged_decode_attention_cpu(*mixed, scale=1.0, layer=0)),
+                                  np.asarray(paged_decode_attention_reference(*mixed, scale=1.0, layer=0)))
+
+
+def test_inconsistent_inputs_stay_inside_the_buffers():
+    """Under jit nothing validates cu_q_lens: a length past the end of q is clamped (rows beyond it
+    are not written), and arrays of the wrong size are refused by the kernel, not read past."""
+    rng = np.random.default_rng(4)
+    tables, written = paged_batch(rng, [6, 9], page=4, max_pages=3, num_pages=8)
+    k, v = make_cache(rng, layers=1, kv_heads=1, num_pages=8, page=4, dim=16, dtype="float32", written=written)
+    q = jnp.asarray(rng.standard_normal((8, 2, 16)), jnp.float32)
+    pt = jnp.asarray(tables)
+    out = cpu_attention.ragged_paged_attention_cpu(q, k, v, pt, jnp.asarray([0, 5, 1000], jnp.int32),
+                                                   jnp.asarray([6, 9], jnp.int32), 2, scale=0.25, layer=0)
+    assert np.isfinite(np.asarray(out)).all()
+    with pytest.raises(Exception, match="kv_lens"):
+        cpu_attention._call(q, k, v, pt, jnp.asarray([0, 5, 8], jnp.int32), jnp.asarray([6], jnp.int32), 2,
+                            scale=0.25, softcap=None, window=0, layer=0)
