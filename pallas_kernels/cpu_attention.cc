@@ -330,7 +330,11 @@ void drain(const Problem& p, Shared& sh) {
 template <typename T, typename Pool>
 void run_all(const Problem& p, Pool& pool) {
   auto sh = std::make_shared<Shared>();
-  const int64_t group_rows = kRowBlock;
+  T* out = static_cast<T*>(p.out);
+  const int64_t row_elems = p.q_heads * p.head_dim;
+  auto zero_rows = [&](int64_t from, int64_t to) {  // rows no task writes: padding, empty sequences
+    if (to > from) std::memset(out + from * row_elems, 0, sizeof(T) * (to - from) * row_elems);
+  };
   // Each sequence's rows are clamped into [end of the previous sequence, total]: under jit nothing
   // validated cu_q_lens, and an inconsistent one must neither write outside `out` nor have two
   // tasks write the same rows.
@@ -338,21 +342,19 @@ void run_all(const Problem& p, Pool& pool) {
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t start = std::min<int64_t>(std::max<int64_t>(p.cu_q_lens[b], prev_end), p.total);
     const int64_t end = std::min<int64_t>(std::max<int64_t>(p.cu_q_lens[b + 1], start), p.total);
+    zero_rows(prev_end, start);
     prev_end = end;
     const int64_t q_len = end - start;
-    if (q_len <= 0 || p.kv_lens[b] <= 0) continue;
-    for (int64_t r0 = 0; r0 < q_len; r0 += group_rows)
+    if (q_len <= 0 || p.kv_lens[b] <= 0) {
+      zero_rows(start, end);
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRowBlock)
       for (int32_t h = 0; h < p.kv_heads; ++h)
         sh->tasks.push_back({static_cast<int32_t>(b), h, static_cast<int32_t>(r0),
-                             static_cast<int32_t>(std::min<int64_t>(group_rows, q_len - r0)), start, q_len});
+                             static_cast<int32_t>(std::min<int64_t>(kRowBlock, q_len - r0)), start, q_len});
   }
-  // Rows with no task (padding, empty sequences) are zeros.
-  std::vector<char> covered(static_cast<size_t>(p.total), 0);
-  for (const Task& t : sh->tasks)
-    for (int32_t r = 0; r < t.rows; ++r) covered[t.start + t.row0 + r] = 1;
-  T* out = static_cast<T*>(p.out);
-  for (int64_t i = 0; i < p.total; ++i)
-    if (!covered[i]) std::memset(out + i * p.q_heads * p.head_dim, 0, sizeof(T) * p.q_heads * p.head_dim);
+  zero_rows(prev_end, p.total);
 
   // The calling thread works too, so the pool adds at most num_threads - 1 (XLA's pool has one thread per core).
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(sh->tasks.size()) - 1);

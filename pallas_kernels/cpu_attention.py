@@ -138,11 +138,10 @@ def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax
     _register()
     k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_pages, v_pages, i32(page_tables), i32(cu_q_lens), i32(kv_lens), i32(num_seqs).reshape(()),
         i32(layer).reshape(()), i32(window).reshape(()),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
-    return out
 
 
 def ragged_paged_attention_cpu(

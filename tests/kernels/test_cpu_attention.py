@@ -16,35 +16,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged_cases import make_cache, stack_layers
+
 from pallas_kernels import cpu_attention, paged_decode_attention_reference, ragged_paged_attention_reference
 
 TOL = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
 
-def make_cache(rng, *, layers, kv_heads, num_pages, page, dim, dtype, written):
-    """Stacked K/V [layers, kv_heads, pages, page, dim]: NaN everywhere except the `written` slots of
-    every layer's pages ({page id: slots}), so any read of an unwritten slot shows up as NaN."""
-    shape = (layers, kv_heads, num_pages, page, dim)
-    k = np.full(shape, np.nan, np.float32)
-    v = np.full(shape, np.nan, np.float32)
-    for p, slots in written.items():
-        k[:, :, p, :slots] = rng.standard_normal((layers, kv_heads, slots, dim))
-        v[:, :, p, :slots] = rng.standard_normal((layers, kv_heads, slots, dim))
-    return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-
-
-def paged_batch(rng, kv_lens, *, page, max_pages, num_pages):
-    """Scattered page tables for sequences of `kv_lens` tokens and the slots each page holds."""
-    ids = rng.permutation(num_pages)
-    tables = np.zeros((len(kv_lens), max_pages), np.int32)
-    written = {}
-    used = 0
-    for b, n in enumerate(kv_lens):
-        for i in range(-(-n // page)):
-            tables[b, i] = ids[used]
-            written[int(ids[used])] = min(page, n - i * page)
-            used += 1
-    return tables, written
+def paged(rng, kv_lens, *, page, dim, dtype, max_pages, kv_heads=3, layer=0, num_layers=1):
+    """`paged_cases.make_cache` (scattered pages, NaN in every unwritten slot, garbage page ids past
+    each sequence) as layer `layer` of an engine-style stacked cache (other layers poisoned):
+    (k, v, page_tables) as jax arrays."""
+    cache = make_cache(rng, kv_lens, kv_heads=kv_heads, page_size=page, head_dim=dim, max_pages=max_pages, dtype=dtype)
+    k, v = (jnp.asarray(stack_layers(x, rng, layer=layer, num_layers=num_layers)) for x in (cache.k_pages, cache.v_pages))
+    return k, v, jnp.asarray(cache.page_tables)
 
 
 @pytest.mark.parametrize("dtype,dim,window,softcap", [
@@ -54,18 +39,15 @@ def test_ragged_prefill_with_prefixes_equals_reference(dtype, dim, window, softc
     """Chunks of 40, 17, 1 and 5 new tokens after prefixes of 0, 30, 200 and 3 cached tokens (more
     than one 16-row block, one decode-like row), two padding sequences and padded rows at the end."""
     rng = np.random.default_rng(dim + window)
-    page, layers, kv_heads, group = 16, 3, 3, 3
+    kv_heads, group = 3, 3
     q_lens = [40, 17, 1, 5, 0, 0]
     kv_lens = [40, 47, 201, 8, 0, 0]
     num_seqs = 4
-    max_pages = 16
-    tables, written = paged_batch(rng, kv_lens, page=page, max_pages=max_pages, num_pages=64)
-    k, v = make_cache(rng, layers=layers, kv_heads=kv_heads, num_pages=64, page=page, dim=dim, dtype=dtype,
-                      written=written)
+    k, v, tables = paged(rng, kv_lens, page=16, dim=dim, dtype=dtype, max_pages=16, layer=1, num_layers=3)
     total = 72  # 63 real rows + padding
     q = jnp.asarray(rng.standard_normal((total, kv_heads * group, dim)), dtype)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    args = (q, k, v, jnp.asarray(tables), jnp.asarray(cu), jnp.asarray(np.array(kv_lens, np.int32)), jnp.int32(num_seqs))
+    args = (q, k, v, tables, jnp.asarray(cu), jnp.asarray(np.array(kv_lens, np.int32)), jnp.int32(num_seqs))
     kw = dict(scale=dim**-0.5, softcap=softcap, window=jnp.int32(window), layer=jnp.int32(1))
     out = jax.jit(functools.partial(cpu_attention.ragged_paged_attention_cpu, **kw))(*args)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))(*args)
@@ -80,14 +62,12 @@ def test_ragged_prefill_with_prefixes_equals_reference(dtype, dim, window, softc
 def test_decode_at_serving_shape_equals_reference(dtype):
     """16 sequences of 0 (padding) to 300 tokens, SmolLM2's heads (9 q, 3 kv, head_dim 64), page 16."""
     rng = np.random.default_rng(7)
-    page, layers, kv_heads, group, dim, batch = 16, 2, 3, 3, 64, 16
+    kv_heads, group, dim, batch = 3, 3, 64, 16
     lengths = [0, 1, 15, 16, 17, 31, 32, 33, 100, 128, 129, 200, 255, 256, 257, 300]
-    tables, written = paged_batch(rng, lengths, page=page, max_pages=19, num_pages=160)
-    k, v = make_cache(rng, layers=layers, kv_heads=kv_heads, num_pages=160, page=page, dim=dim, dtype=dtype,
-                      written=written)
     q = jnp.asarray(rng.standard_normal((batch, kv_heads * group, dim)), dtype)
-    args = (q, k, v, jnp.asarray(tables), jnp.asarray(np.array(lengths, np.int32)))
-    for layer in (0, 1):
+    for layer in (0, 1):  # the layer index picks the right slice of the stack (the other is poisoned)
+        k, v, tables = paged(rng, lengths, page=16, dim=dim, dtype=dtype, max_pages=19, layer=layer, num_layers=2)
+        args = (q, k, v, tables, jnp.asarray(np.array(lengths, np.int32)))
         kw = dict(scale=0.125, layer=jnp.int32(layer))
         out = np.asarray(jax.jit(functools.partial(cpu_attention.paged_decode_attention_cpu, **kw))(*args), np.float32)
         ref = np.asarray(jax.jit(functools.partial(paged_decode_attention_reference, **kw))(*args), np.float32)
@@ -97,10 +77,9 @@ def test_decode_at_serving_shape_equals_reference(dtype):
 
 def test_unsupported_head_dim_falls_back_to_the_reference():
     rng = np.random.default_rng(1)
-    tables, written = paged_batch(rng, [5, 9], page=4, max_pages=3, num_pages=8)
-    k, v = make_cache(rng, layers=1, kv_heads=1, num_pages=8, page=4, dim=8, dtype="float32", written=written)
+    k, v, tables = paged(rng, [5, 9], page=4, dim=8, dtype="float32", max_pages=3, kv_heads=1)
     q = jnp.asarray(rng.standard_normal((2, 2, 8)), jnp.float32)
-    args = (q, k, v, jnp.asarray(tables), jnp.asarray(np.array([5, 9], np.int32)))
+    args = (q, k, v, tables, jnp.asarray(np.array([5, 9], np.int32)))
     assert not cpu_attention.supports(8, jnp.float32) and cpu_attention.supports(64, jnp.bfloat16)
     out = cpu_attention.paged_decode_attention_cpu(*args, scale=0.3, layer=0)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(paged_decode_attention_reference(*args, scale=0.3, layer=0)))
@@ -130,10 +109,9 @@ def test_wide_logits_and_mixed_dtypes():
     queries in float32, where the kernel would round them)."""
     rng = np.random.default_rng(3)
     lengths = [37, 64, 5]
-    tables, written = paged_batch(rng, lengths, page=16, max_pages=4, num_pages=12)
-    k, v = make_cache(rng, layers=1, kv_heads=2, num_pages=12, page=16, dim=32, dtype="float32", written=written)
+    k, v, tables = paged(rng, lengths, page=16, dim=32, dtype="float32", max_pages=4, kv_heads=2)
     q = jnp.asarray(rng.standard_normal((3, 4, 32)) * 3.0, jnp.float32)
-    args = (q, k, v, jnp.asarray(tables), jnp.asarray(np.array(lengths, np.int32)))
+    args = (q, k, v, tables, jnp.asarray(np.array(lengths, np.int32)))
     out = cpu_attention.paged_decode_attention_cpu(*args, scale=1.0, layer=0)
     ref = paged_decode_attention_reference(*args, scale=1.0, layer=0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL["float32"])  # float32 rounding of |s| ~ 60
@@ -149,10 +127,8 @@ def test_inconsistent_inputs_stay_inside_the_buffers():
     """Under jit nothing validates cu_q_lens: a length past the end of q is clamped (rows beyond it
     are not written), and arrays of the wrong size are refused by the kernel, not read past."""
     rng = np.random.default_rng(4)
-    tables, written = paged_batch(rng, [6, 9], page=4, max_pages=3, num_pages=8)
-    k, v = make_cache(rng, layers=1, kv_heads=1, num_pages=8, page=4, dim=16, dtype="float32", written=written)
+    k, v, pt = paged(rng, [6, 9], page=4, dim=16, dtype="float32", max_pages=3, kv_heads=1)
     q = jnp.asarray(rng.standard_normal((8, 2, 16)), jnp.float32)
-    pt = jnp.asarray(tables)
     out = cpu_attention.ragged_paged_attention_cpu(q, k, v, pt, jnp.asarray([0, 5, 1000], jnp.int32),
                                                    jnp.asarray([6, 9], jnp.int32), 2, scale=0.25, layer=0)
     assert np.isfinite(np.asarray(out)).all()
