@@ -1,11 +1,14 @@
-"""XLA:CPU's matrix products at decode shapes: what a CPU decode step can reach at all.
+"""The CPU's matrix products at decode shapes: XLA:CPU's dot, and the native bfloat16 kernel.
 
     python -m benchmarks.cpu_matmul [--rows 1 2 16] [--dtypes float32 bfloat16 int8] [--repeats 5]
+                                    [--impls xla native]
 
 For SmolLM2-135M's weight shapes (576x1536, 1536x576 and the 576x49152 head) and each dtype and
 row count, times `x @ W` over 30 distinct weight matrices (so they come from memory, as in a
 30-layer step, not from cache) and prints ms per product, GB/s of weights read and GFLOP/s.
-int8 is s8 x s8 -> s32, the product a weight-and-activation int8 scheme would need.
+int8 is s8 x s8 -> s32, the product a weight-and-activation int8 scheme would need. The head is
+multiplied as the model does it, by the [vocab, hidden] embedding transposed. `native` is
+`pallas_kernels.cpu_matmul` (bfloat16 only; --matmul-backend cpu), timed the same way.
 
 Why it exists: at batch 1 a decode step reads every weight once, so the best ITL is the weight
 bytes over this bandwidth. On the 2-core AMD EPYC box (benchmarks/RESULTS.md) float32 reads run
@@ -25,14 +28,15 @@ SHAPES = ((576, 1536), (1536, 576), (576, 49152))
 LAYERS = 30
 
 
-def time_product(dtype: str, rows: int, k: int, n: int, repeats: int) -> float:
+def time_product(dtype: str, rows: int, k: int, n: int, repeats: int, impl: str = "xla") -> float:
     """Milliseconds per [rows, k] x [k, n] product, best of `repeats` runs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     rng = np.random.default_rng(0)
-    count = LAYERS if n < 10_000 else 1  # the head is one matrix; 30 of them would not be a step
+    head = n >= 10_000
+    count = 1 if head else LAYERS  # the head is one matrix; 30 of them would not be a step
     if dtype == "int8":
         x = jnp.asarray(rng.integers(-127, 127, (rows, k)), jnp.int8)
         ws = [jnp.asarray(rng.integers(-127, 127, (k, n)), jnp.int8) for _ in range(count)]
@@ -40,11 +44,16 @@ def time_product(dtype: str, rows: int, k: int, n: int, repeats: int) -> float:
         def products(x, ws):
             return sum(jax.lax.dot(x, w, preferred_element_type=jnp.int32).sum() for w in ws)
     else:
+        from jaxserve.models import products as model_products
+
         x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-        ws = [jnp.asarray(rng.standard_normal((k, n)) * 0.02, dtype) for _ in range(count)]
+        shape = (n, k) if head else (k, n)
+        ws = [jnp.asarray(rng.standard_normal(shape) * 0.02, dtype) for _ in range(count)]
+        impls = model_products.for_backend("cpu" if impl == "native" else "xla")
+        product = impls.head if head else impls.linear
 
         def products(x, ws):
-            return sum((x @ w).astype(jnp.float32).sum() for w in ws)
+            return sum(product(x, w).astype(jnp.float32).sum() for w in ws)
 
     f = jax.jit(products)
     f(x, ws).block_until_ready()
@@ -61,17 +70,23 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=["float32", "bfloat16", "int8"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--impls", nargs="+", default=["xla", "native"], choices=["xla", "native"],
+                   help="native: the bfloat16 kernel of pallas_kernels/cpu_matmul.cc (skipped without AVX512-BF16)")
     args = p.parse_args()
     if min(args.rows) < 1 or args.repeats < 1:
         p.error("--rows and --repeats must be >= 1")
-    print(f"{'dtype':9s} {'rows':>4s} {'shape':>11s} {'ms':>8s} {'GB/s':>6s} {'GFLOP/s':>8s}")
+    from pallas_kernels import cpu_matmul
+
+    print(f"{'dtype':9s} {'impl':6s} {'rows':>4s} {'shape':>11s} {'ms':>8s} {'GB/s':>6s} {'GFLOP/s':>8s}")
     for dtype in args.dtypes:
         size = 4 if dtype == "float32" else 2 if dtype == "bfloat16" else 1
+        impls = [i for i in args.impls if i == "xla" or (dtype == "bfloat16" and cpu_matmul.available())]
         for rows in args.rows:
             for k, n in SHAPES:
-                ms = time_product(dtype, rows, k, n, args.repeats)
-                print(f"{dtype:9s} {rows:4d} {f'{k}x{n}':>11s} {ms:8.3f} {k * n * size / ms / 1e6:6.1f} "
-                      f"{2 * rows * k * n / ms / 1e6:8.1f}", flush=True)
+                for impl in impls:
+                    ms = time_product(dtype, rows, k, n, args.repeats, impl)
+                    print(f"{dtype:9s} {impl:6s} {rows:4d} {f'{k}x{n}':>11s} {ms:8.3f} {k * n * size / ms / 1e6:6.1f} "
+                          f"{2 * rows * k * n / ms / 1e6:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
     python -m benchmarks.engine [--model PATH] [--dtype float32 bfloat16] [--concurrency 1 16]
                                 [--input-len 128] [--output-len 128] [--no-hf] [--json out.json]
                                 [--load-format dummy] [--attention-backend auto]
-                                [--layouts sharded unsharded]
+                                [--matmul-backend auto] [--layouts sharded unsharded]
 
 `--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
 tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
 unannotated single-device step, and prints the ratio, to show the mesh costs nothing.
+`--matmul-backend xla cpu` likewise runs XLA's products and the native CPU kernel's in turn.
 On a GPU, give `--load-format dummy` with a directory from `python -m benchmarks.dummy_model`
 to time real architectures (Llama-3-8B...) with random weights; JAX_PLATFORMS defaults to cpu
 here, so set JAX_PLATFORMS=cuda there.
@@ -38,12 +39,14 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
-                 load_format: str = "auto", attention_backend: str = "auto", sharded: bool = True,
+                 load_format: str = "auto", attention_backend: str = "auto", matmul_backend: str = "auto",
+                 sharded: bool = True,
                  max_num_batched_tokens: int | None = None, overlap: bool = True) -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.engine import Engine, EngineConfig
     from jaxserve.engine.request import SamplingParams
+    from jaxserve.models import products
     from jaxserve.startup import load
 
     ready = load(ModelConfig(model=model, served_model_name="bench", dtype=dtype, load_format=load_format,
@@ -55,6 +58,7 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
                                   max_prefill_seqs=4, max_model_len=max_len),
         attention_backend=resolve_backend(attention_backend),
+        matmul_backend=products.resolve_backend(matmul_backend, ready.loaded.model.dtype),
         overlap=overlap,
     )
     engine = Engine(ready.loaded.model, ready.tokenizer, config)
@@ -81,7 +85,8 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         # Decode-only iterations are the majority; their median is the per-step figure.
         results[c] = {"output_tokens_per_s": tokens / wall, "wall_s": wall,
                       "median_step_ms": 1000 * statistics.median(step_times), "steps": engine.num_steps - steps_before}
-    return {"compile_s": compile_s, "attention": config.attention_backend, "per_concurrency": results}
+    return {"compile_s": compile_s, "attention": config.attention_backend, "matmul": config.matmul_backend,
+            "per_concurrency": results}
 
 
 def run_hf(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
@@ -124,6 +129,8 @@ def main() -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (no HF baseline then)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "cpu"])
+    p.add_argument("--matmul-backend", nargs="+", default=["auto"], choices=["auto", "xla", "cpu"],
+                   help="product implementations to run, each in turn (e.g. xla cpu for an A/B in one process)")
     p.add_argument("--layouts", nargs="+", default=["sharded"], choices=["sharded", "unsharded"],
                    help="sharded: a one-device mesh, the tensor-parallel path; unsharded: the plain step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -148,12 +155,14 @@ def main() -> None:
     for dtype in args.dtype:
         entry = {}
         for layout in args.layouts:
-            entry[layout] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
-                                         load_format=args.load_format, attention_backend=args.attention_backend,
-                                         sharded=layout == "sharded",
-                                         max_num_batched_tokens=args.max_num_batched_tokens,
-                                         overlap=not args.no_overlap)
-            gc.collect()  # the first layout's weights and KV cache must be gone before the second loads
+            for matmul in args.matmul_backend:
+                key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
+                entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
+                                          load_format=args.load_format, attention_backend=args.attention_backend,
+                                          matmul_backend=matmul, sharded=layout == "sharded",
+                                          max_num_batched_tokens=args.max_num_batched_tokens,
+                                          overlap=not args.no_overlap)
+                gc.collect()  # one run's weights and KV cache must be gone before the next loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)
         report["results"][dtype] = entry
@@ -161,11 +170,12 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     print(f"\nmodel {args.model} on {report['device']}, {args.input_len} in / {args.output_len} out, greedy")
-    base = args.layouts[-1]
-    print(f"{'dtype':<9} {'layout':<9} {'attention':<10} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
-          f"{'HF tok/s':>9} {'vs HF':>6} {'vs ' + base:>12}")
+    runs = [k for k in report["results"][args.dtype[0]] if k != "hf"]
+    base = runs[-1]
+    print(f"{'dtype':<9} {'run':<14} {'attention':<10} {'matmul':<6} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
+          f"{'HF tok/s':>9} {'vs HF':>6} {'vs ' + base:>16}")
     for dtype, entry in report["results"].items():
-        for layout in args.layouts:
+        for layout in runs:
             ours_all = entry[layout]
             for c in args.concurrency:
                 ours = ours_all["per_concurrency"][c]
@@ -174,8 +184,8 @@ def main() -> None:
                 ratio = f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:>5.2f}x" if hf else f"{'-':>6}"
                 other = entry[base]["per_concurrency"][c]["output_tokens_per_s"]
                 vs = f"{ours['output_tokens_per_s'] / other:.3f}x"
-                print(f"{dtype:<9} {layout:<9} {ours_all['attention']:<10} {c:>4} {ours['output_tokens_per_s']:>9.1f} "
-                      f"{ours['median_step_ms']:>8.2f} {hf_s} {ratio} {vs:>12}")
+                print(f"{dtype:<9} {layout:<14} {ours_all['attention']:<10} {ours_all['matmul']:<6} {c:>4} "
+                      f"{ours['output_tokens_per_s']:>9.1f} {ours['median_step_ms']:>8.2f} {hf_s} {ratio} {vs:>16}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "Pallas kernels on GPUs (checked and timed on an H100), the native kernel on the CPU when it "
                    "builds (else the reference, with a warning; tensor-parallel CPU runs use the reference), and "
                    "the reference on TPUs until their kernels have been timed on one")
+    e.add_argument("--matmul-backend", default="auto", choices=["auto", "xla", "cpu"],
+                   help="how decode-sized products with the weights run: xla (XLA's dot), or cpu, a native "
+                   "kernel for bfloat16 weights on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later), "
+                   "built like the cpu attention kernel; it streams the weights for up to 32 rows at close to "
+                   "the memory's rate, and leaves larger products (prefill) to XLA. auto = cpu for bfloat16 "
+                   "models on such a CPU without tensor parallelism, else xla")
     e.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
                    help="how the steps run the layers: scan compiles one layer body (fast start-up) but XLA copies "
                    "each layer's weights out of the stacked parameters on every step on CPUs and GPUs; unrolled "
@@ -291,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         attention_backend=args.attention_backend,
         layer_loop=args.layer_loop,
+        matmul_backend=args.matmul_backend,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, distributed=distributed),
         server=ServerConfig(
             host=args.host,

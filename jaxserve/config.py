@@ -100,3 +100,4 @@ class Config:
     compilation_cache_dir: Path | None = None
     attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)
     layer_loop: str = "auto"  # auto | scan | unrolled (jaxserve.engine.engine.resolve_layer_loop)
+    matmul_backend: str = "auto"  # auto | xla | cpu (jaxserve.models.products.resolve_backend)

@@ -39,11 +39,13 @@ class LLM:
         cache_dir: Path | None = None,
         attention_backend: str = "auto",
         layer_loop: str = "auto",
+        matmul_backend: str = "auto",
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
     ):
         from jaxserve.cli import default_model
         from jaxserve.engine.attention import resolve_backend
+        from jaxserve.models import products
 
         model = model or default_model()
         if model is None:
@@ -59,6 +61,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_prefill_seqs=max_prefill_seqs, max_model_len=max_len),
             attention_backend=resolve_backend(attention_backend, tensor_parallel=tensor_parallel_size),
+            matmul_backend=products.resolve_backend(matmul_backend, self.loaded.loaded.model.dtype,
+                                                    tensor_parallel=tensor_parallel_size),
             layer_loop=layer_loop,
             compilation_cache_dir=cache_dir / "xla",
         )

@@ -78,6 +78,7 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     first request. Returns the engine and the seconds each phase took."""
     from jaxserve.engine.attention import describe_backend, resolve_backend
     from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.models import products
 
     start = time.perf_counter()
     ready = load(config.model, config.parallel.tensor_parallel_size)
@@ -86,12 +87,16 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     attention_backend = resolve_backend(config.attention_backend,
                                         tensor_parallel=config.parallel.tensor_parallel_size)
     log.info("attention: %s", describe_backend(attention_backend))
+    matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype,
+                                              tensor_parallel=config.parallel.tensor_parallel_size)
+    log.info("products: %s", "native CPU kernel (bfloat16, up to 32 rows; XLA above)"
+             if matmul_backend == "cpu" else "XLA")
     engine = Engine(
         ready.loaded.model,
         ready.tokenizer,
         EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                      compilation_cache_dir=config.compilation_cache_dir, attention_backend=attention_backend,
-                     layer_loop=config.layer_loop),
+                     matmul_backend=matmul_backend, layer_loop=config.layer_loop),
     )
     loaded = time.perf_counter()
     engine.compile()

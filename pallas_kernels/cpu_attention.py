@@ -7,24 +7,15 @@ and writes the gathered keys and values out, widened to float32, before the prod
 on SmolLM2 with 16 sequences that was ~20 ms of a ~50 ms decode step. The kernel reads each
 page row once, straight from the cache, for a whole group of query heads and a block of query rows.
 
-The source is compiled on first use with the system C++ compiler (`$CXX`, else g++ / c++ /
-clang++) for this machine (-march=native) into a cache directory keyed by the source, the
-compiler, jaxlib and the CPU, so later processes only load it. `available()` says whether that
-worked; without a compiler the engine's "auto" backend stays on the reference (with a warning),
+The source is compiled on first use for this machine (`native.build`). `available()` says
+whether that worked; without a compiler the engine's "auto" backend stays on the reference (with a warning),
 and `--attention-backend cpu` fails with the compiler's message.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import native
 from pallas_kernels._common import stacked_cache
+from pallas_kernels.native import BuildError
 from pallas_kernels.paged_attention import paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -40,71 +33,15 @@ log = logging.getLogger("jaxserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "jaxserve_cpu_paged_attention"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-w")
 # What the kernel computes; anything else goes to the pure-jnp reference (same results, slower).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-class BuildError(RuntimeError):
-    """The native CPU kernel could not be compiled or loaded."""
-
-
-def cache_dir() -> Path:
-    """Where built kernels live: $JAXSERVE_KERNEL_CACHE, else ~/.cache/jaxserve/kernels."""
-    env = os.environ.get("JAXSERVE_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "jaxserve" / "kernels"
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise BuildError("no C++ compiler found (set $CXX, or install g++) to build the native CPU attention kernel")
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build() -> Path:
-    cxx = _compiler()
-    include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), cxx, version, " ".join(FLAGS), jax.lib.__version__, _cpu_signature()]).encode()).hexdigest()
-    out = cache_dir() / f"cpu_attention-{key[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the native CPU attention kernel (%s, once per machine) ...", cxx)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *FLAGS, "-I", include, str(SOURCE), "-o", str(tmp_out)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"building {SOURCE.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
-    return out
-
-
 @functools.cache
 def _register() -> None:
     """Build (or find) the kernel and register it with XLA once per process; raises BuildError."""
-    try:
-        path = _build()
-    except OSError as e:  # e.g. a read-only cache directory
-        raise BuildError(f"building the native CPU attention kernel failed: {e}") from e
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(path))
-    except OSError as e:
-        raise BuildError(f"loading the native CPU attention kernel {path} failed: {e}") from e
+    lib = native.load(SOURCE)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
 
 

@@ -41,7 +41,8 @@ log = logging.getLogger("jaxserve.engine")
 class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu (auto resolved by the caller)
+    attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu | cpu (auto resolved by the caller)
+    matmul_backend: str = "xla"  # xla | cpu (auto resolved by the caller: jaxserve.models.products)
     max_n: int = 128  # most samples (n / best_of) per request
     compilation_cache_dir: Path | None = None
     layer_loop: str = "auto"  # auto | scan | unrolled (see resolve_layer_loop)
@@ -144,7 +145,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.allocator, page_size)
         self.runner = ModelRunner(decoder, num_pages, page_size, self.max_pages_per_seq,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend, matmul_backend=config.matmul_backend)
         if jax.process_count() > 1:
             # Multi-host: process 0 sends every step to the others (jaxserve.parallel.multihost).
             self.runner.channel = StepChannel(
@@ -163,7 +164,8 @@ class Engine:
         what is left, so a step can never run out of memory mid-serving (vLLM profiles a forward
         pass for the same reason)."""
         probe = ModelRunner(decoder, self.max_pages_per_seq + 1, self.config.cache.page_size,
-                            self.max_pages_per_seq, attention_backend=self.config.attention_backend)
+                            self.max_pages_per_seq, attention_backend=self.config.attention_backend,
+                            matmul_backend=self.config.matmul_backend)
         buckets = self.step_buckets()
         largest = [max((b for b in buckets if b.kind == kind), key=lambda b: b.tokens)
                    for kind in ("prefill", "decode")]

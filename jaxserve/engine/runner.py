@@ -25,6 +25,7 @@ from tqdm import tqdm
 from jaxserve.engine import attention
 from jaxserve.engine.kv_cache import KVCache
 from jaxserve.engine.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
+from jaxserve.models import products
 from jaxserve.models.decoder import AttentionFn, Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
 from jaxserve.parallel.multihost import is_leader
@@ -79,6 +80,7 @@ class ModelRunner:
         *,
         kv_dtype: Any = None,
         attention_backend: str = "reference",
+        matmul_backend: str = "xla",
         sampling_shape: Callable[[int], SamplingBatch] | None = None,
     ):
         self.cfg = decoder.cfg
@@ -86,12 +88,15 @@ class ModelRunner:
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.attention_backend = attention_backend
+        self.products = products.for_backend(matmul_backend)
         cpu = jax.devices()[0].platform == "cpu"
         # XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about
         # 10x slower than the same product with two rows (which goes to the matmul library), so on
-        # the CPU a bfloat16 step never multiplies a single row: one-token steps get a padding token
-        # and a one-sequence head gets a padding row.
-        self.min_rows = 2 if cpu and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
+        # the CPU a bfloat16 step with XLA's products never multiplies a single row: one-token steps
+        # get a padding token and a one-sequence head gets a padding row. (The native kernel streams
+        # one row at the memory's rate.)
+        xla_bf16 = matmul_backend == "xla" and jnp.dtype(decoder.dtype) == jnp.bfloat16
+        self.min_rows = 2 if cpu and xla_bf16 else 1
         self._sampling_shape = sampling_shape
         self._compiled: dict[Bucket, Any] = {}
         # Multi-host: the leader sends each step here before running it (set by the Engine).
@@ -118,6 +123,10 @@ class ModelRunner:
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
+        with products.use(self.products):  # read while tracing: the compiled step keeps it
+            return self._step_body(params, kv, inp)
+
+    def _step_body(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
         model: Decoder = nnx.merge(self.graphdef, params)
         tokens, positions, slots, t = inp.tokens, inp.positions, inp.slots, inp.tokens.shape[0]
         if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens

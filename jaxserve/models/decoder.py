@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.models import products
 from jaxserve.models.config import DecoderConfig
 
 Array = jax.Array
@@ -57,7 +58,7 @@ class Linear(nnx.Module):
         self.bias = _zeros(stack, dout, dtype=dtype) if bias else None
 
     def __call__(self, x: Array) -> Array:
-        y = x @ self.kernel[...]
+        y = products.current().linear(x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -250,7 +251,7 @@ class Decoder(nnx.Module):
     def logits(self, hidden: Array) -> Array:
         """[..., hidden] -> float32 [..., vocab], with Gemma2's final soft-cap."""
         head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-        out = jnp.einsum("...h,vh->...v", hidden, head).astype(jnp.float32)
+        out = products.current().head(hidden, head).astype(jnp.float32)
         cap = self.cfg.final_logit_softcap
         return out if not cap else jnp.tanh(out / cap) * cap
 

@@ -18,7 +18,7 @@ import pytest
 
 from paged_cases import make_cache, stack_layers
 
-from pallas_kernels import cpu_attention, paged_decode_attention_reference, ragged_paged_attention_reference
+from pallas_kernels import cpu_attention, native, paged_decode_attention_reference, ragged_paged_attention_reference
 
 TOL = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
@@ -87,20 +87,19 @@ def test_unsupported_head_dim_falls_back_to_the_reference():
 
 def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    built = cpu_attention._build()
-    assert built.parent == tmp_path / "cache" and built.suffix == ".so"
+    built = native.build(cpu_attention.SOURCE)
+    assert built.parent == tmp_path / "cache" and built.suffix == ".so" and built.name.startswith("cpu_attention-")
     stamp = os.stat(built).st_mtime_ns
-    assert cpu_attention._build() == built and os.stat(built).st_mtime_ns == stamp  # reused, not rebuilt
+    assert native.build(cpu_attention.SOURCE) == built and os.stat(built).st_mtime_ns == stamp  # reused, not rebuilt
 
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
-    with pytest.raises(cpu_attention.BuildError, match="failed"):
-        cpu_attention._build()
+    with pytest.raises(native.BuildError, match="broken.cc .*failed"):
+        native.build(broken)
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ / c++ / clang++ either
-    with pytest.raises(cpu_attention.BuildError, match="no C\\+\\+ compiler"):
-        cpu_attention._compiler()
+    with pytest.raises(native.BuildError, match="no C\\+\\+ compiler"):
+        native.compiler()
 
 
 def test_wide_logits_and_mixed_dtypes():

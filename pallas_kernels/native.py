@@ -1,0 +1,86 @@
+"""Build and load the native CPU kernels (`cpu_attention.cc`, `cpu_matmul.cc`): XLA FFI custom calls
+compiled on first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) for this
+machine (-march=native), into a cache directory keyed by the source, the compiler, jaxlib and the
+CPU, so later processes only load them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("jaxserve.kernels")
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-w")
+
+
+class BuildError(RuntimeError):
+    """A native CPU kernel could not be compiled or loaded."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: $JAXSERVE_KERNEL_CACHE, else ~/.cache/jaxserve/kernels."""
+    env = os.environ.get("JAXSERVE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "jaxserve" / "kernels"
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise BuildError("no C++ compiler found (set $CXX, or install g++) to build the native CPU kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build(source: Path) -> Path:
+    """Compile `source` into a shared library in the cache (or find it there); raises BuildError."""
+    cxx = compiler()
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join(
+        [source.read_text(), cxx, version, " ".join(FLAGS), jax.lib.__version__, _cpu_signature()]).encode()).hexdigest()
+    out = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    if out.exists():
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building the native CPU kernel %s (%s, once per machine) ...", source.name, cxx)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            proc = subprocess.run([cxx, *FLAGS, "-I", include, str(source), "-o", str(tmp_out)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"building {source.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
+            os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
+    except OSError as e:  # e.g. a read-only cache directory
+        raise BuildError(f"building {source.name} failed: {e}") from e
+    return out
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL:
+    """Build (or find) `source` and load it, once per process; raises BuildError."""
+    path = build(source)
+    try:
+        return ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise BuildError(f"loading the native CPU kernel {path} failed: {e}") from e

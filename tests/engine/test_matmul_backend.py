@@ -1,0 +1,97 @@
+"""--matmul-backend: how it resolves, and the decoder and the engine with their products on the
+native CPU kernel (backend "cpu") instead of XLA's dot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+from jaxserve.engine.request import SamplingParams
+from jaxserve.models import products
+from jaxserve.weights import load_model
+from pallas_kernels import cpu_matmul
+from smollm2 import smollm2_gguf
+from tiny_models import make_tiny_model
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+
+
+def test_resolve_backend():
+    assert products.resolve_backend("xla", jnp.bfloat16, "cpu") == "xla"
+    # The kernel computes bfloat16 only, on the CPU only, and has no sharding rule.
+    assert products.resolve_backend("auto", jnp.float32, "cpu") == "xla"
+    assert products.resolve_backend("auto", jnp.bfloat16, "gpu") == "xla"
+    assert products.resolve_backend("auto", jnp.bfloat16, "cpu", tensor_parallel=2) == "xla"
+    expected = "cpu" if cpu_matmul.available() else "xla"
+    assert products.resolve_backend("auto", jnp.bfloat16, "cpu") == expected
+    with pytest.raises(ValueError, match="CPU only"):
+        products.resolve_backend("cpu", jnp.bfloat16, "gpu")
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        products.resolve_backend("cpu", jnp.bfloat16, "cpu", tensor_parallel=2)
+    with pytest.raises(ValueError, match="auto, xla, cpu"):
+        products.resolve_backend("blas", jnp.bfloat16, "cpu")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama-mha-tied-bias", "qwen3"])  # tied head + biases; untied head
+def test_decoder_logits_with_kernel_products(name, tmp_path):
+    """The bfloat16 decoder traced with the kernel's products is as close to the float32 model as
+    the one traced with XLA's (both round float32 sums to bfloat16, added in different orders, so
+    they rarely differ at all): at most 1.5x XLA's error, and the same argmax wherever float32 has
+    a clear winner."""
+    make_tiny_model(name, tmp_path)
+    f32 = load_model(tmp_path, "float32", use_cache=False).model
+    bf16 = load_model(tmp_path, "bfloat16", use_cache=False).model
+    tokens = jnp.asarray([[1, 17, 99, 5, 200, 33, 7, 250], [1, 42, 9, 8, 7, 6, 5, 4]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    lengths = jnp.asarray([8, 8])
+    hidden_rows = tokens.size  # 16: within the kernel's MAX_ROWS, so every product takes it
+    assert hidden_rows <= cpu_matmul.MAX_ROWS
+    ref = np.asarray(f32(tokens, positions, lengths))
+    xla = np.asarray(bf16(tokens, positions, lengths))
+    with products.use(products.for_backend("cpu")):
+        native = np.asarray(bf16(tokens, positions, lengths))
+        traced = str(jax.make_jaxpr(lambda t: bf16(t, positions, lengths))(tokens))
+    # The kernel really runs: 7 products per layer (in the scan body) and the head.
+    assert traced.count(cpu_matmul.TARGET) == 8, traced.count(cpu_matmul.TARGET)
+    xla_err, native_err = np.abs(xla - ref).max(), np.abs(native - ref).max()
+    assert native_err <= 1.5 * xla_err, (native_err, xla_err)
+    top2 = np.sort(ref, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 4 * xla_err
+    assert clear.any() and (native.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_bfloat16_engine_same_greedy_tokens(cache_dir, smollm2_tokenizer):
+    """SmolLM2 in bfloat16 (what --dtype auto gives on this CPU): the engine with the kernel's
+    products decodes the same greedy tokens as with XLA's, one sequence (a one-row step: the kernel
+    needs no padding row) and four at once with chunked prefill."""
+    config = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=256),
+        attention_backend="reference", compilation_cache_dir=cache_dir / "xla",
+    )
+    prompts = [smollm2_tokenizer.encode(p) for p in
+               ["The capital of France is", "def fibonacci(n):\n", "1, 2, 3, 4,",
+                "Write a haiku about the sea and a lighthouse keeper who is waiting for news from far away"]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def greedy(matmul: str, batch: list[list[int]]) -> list[list[int]]:
+        model = load_model(smollm2_gguf(), "bfloat16", cache_dir=cache_dir).model
+        engine = Engine(model, smollm2_tokenizer, dataclasses.replace(config, matmul_backend=matmul))
+        assert engine.runner.min_rows == (2 if matmul == "xla" else 1)
+        engine.compile()
+        for i, p in enumerate(batch):
+            engine.add_request(str(i), p, params)
+        results = run_to_completion(engine, [str(i) for i in range(len(batch))])
+        return [results[str(i)].outputs[0].token_ids for i in range(len(batch))]
+
+    assert greedy("cpu", prompts[:1]) == greedy("xla", prompts[:1])
+    assert greedy("cpu", prompts) == greedy("xla", prompts)

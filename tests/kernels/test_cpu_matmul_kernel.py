@@ -1,0 +1,95 @@
+"""The native CPU product kernel (`pallas_kernels/cpu_matmul.cc`) against float64 sums of the same
+bfloat16 inputs, and the decoder / engine running their products through it (backend "cpu").
+
+The kernel adds float32 products in its own order and rounds once to bfloat16, so each output must
+lie within one bfloat16 rounding (2^-8 relative) plus float32 summation error of the exact sum; a
+wrong column order, a dropped tail, or a read of the wrong layer is far outside that.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+
+
+def _bf16(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _check(got, x, w_kn):
+    """got ~ x @ w_kn (w_kn [K, N]) to one bfloat16 rounding plus float32 summation error."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w_kn, np.float64)
+    exact = x64 @ w64
+    magnitude = np.abs(x64) @ np.abs(w64)  # bounds the float32 summation error (K * 2^-24 * this)
+    got = np.asarray(got, np.float64)
+    assert got.shape == exact.shape and got.dtype == np.float64
+    bound = 2.0**-8 * np.abs(exact) + x64.shape[-1] * 2.0**-24 * magnitude + 1e-30
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
+
+
+# Rows: 1 (a decode step of one sequence), odd counts around the 8-row pass and the 4-row transposed
+# tile, and the largest the kernel takes. K and N: multiples of the 32-wide strips, odd K (the last
+# row pairs with zeros) and N not a multiple of 32 / of the transposed tile (masked tails).
+SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (16, 576, 192), (17, 31, 33),
+          (32, 576, 576), (5, 7, 1)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_products_match_float64_sums(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = _bf16(rng, m, k), _bf16(rng, k, n)
+    got = jax.jit(cpu_matmul.matmul)(x, w)
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
+    _check(got, x, w)
+    wt = jnp.asarray(np.asarray(w).T)  # [N, K]: an LM head tied to the embedding
+    got_t = jax.jit(cpu_matmul.matmul_transposed)(x, wt)
+    assert got_t.shape == (m, n)
+    _check(got_t, x, w)
+
+
+def test_stacked_weights_read_only_the_given_layer():
+    """A layer of a stacked [L, K, N] / [L, N, K] weight, picked by a traced index inside a loop
+    (as the engine's layer scan does); the other layers are NaN, so reading them would show."""
+    rng = np.random.default_rng(7)
+    layers, m, k, n = 4, 6, 96, 64
+    x = _bf16(rng, 2, 3, k)  # leading dims are flattened into rows
+    good = [_bf16(rng, k, n) for _ in range(layers)]
+    nan = jnp.full((k, n), jnp.nan, jnp.bfloat16)
+
+    for layer in range(layers):
+        stacked = jnp.stack([good[i] if i == layer else nan for i in range(layers)])
+        stacked_t = jnp.swapaxes(stacked, 1, 2)
+        got = jax.jit(lambda x, w, i: cpu_matmul.matmul(x, w, i))(x, stacked, jnp.int32(layer))
+        got_t = jax.jit(lambda x, w, i: cpu_matmul.matmul_transposed(x, w, i))(x, stacked_t, jnp.int32(layer))
+        assert got.shape == got_t.shape == (2, 3, n)
+        _check(got.reshape(m, n), x.reshape(m, k), good[layer])
+        _check(got_t.reshape(m, n), x.reshape(m, k), good[layer])
+
+    def loop(x, w):  # every layer in turn, the index a loop variable
+        return jax.lax.fori_loop(0, layers, lambda i, acc: acc + cpu_matmul.matmul(x, w, i).astype(jnp.float32),
+                                 jnp.zeros((2, 3, n), jnp.float32))
+
+    total = jax.jit(loop)(x, jnp.stack(good))
+    expect = sum(np.asarray(x, np.float64).reshape(m, k) @ np.asarray(g, np.float64) for g in good)
+    np.testing.assert_allclose(np.asarray(total).reshape(m, n), expect, rtol=0.02, atol=0.02 * np.abs(expect).max())
+
+
+def test_what_the_kernel_does_not_cover_goes_to_xla():
+    """More rows than MAX_ROWS (prefill), and float32, are XLA's dot: bit-identical to x @ w."""
+    rng = np.random.default_rng(3)
+    big = _bf16(rng, cpu_matmul.MAX_ROWS + 1, 64)
+    w = _bf16(rng, 64, 32)
+    assert not cpu_matmul.supports(big, w) and cpu_matmul.supports(big[:4], w)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(big, w)), np.asarray(big @ w))
+    x32, w32 = big[:4].astype(jnp.float32), w.astype(jnp.float32)
+    assert not cpu_matmul.supports(x32, w32)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x32, w32)), np.asarray(x32 @ w32))
+    stacked = jnp.stack([w, w * 2])
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul_transposed(big, jnp.swapaxes(stacked, 1, 2), 1)),
+                                  np.asarray(big @ (w * 2)))
