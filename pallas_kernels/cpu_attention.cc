@@ -25,7 +25,16 @@
 #include <thread>
 #include <vector>
 
+#include <type_traits>
+
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define JAXSERVE_BF16_DOT 1
+#else
+#define JAXSERVE_BF16_DOT 0
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -164,18 +173,93 @@ struct Task {
 
 constexpr int kKeys = 16;  // keys per block: one vector of logits per query
 
+// A task's keys: positions [lo, hi) of one sequence, read in blocks of up to kKeys slots of one
+// page from one layer and kv head of the stacked cache.
+template <typename T>
+struct Keys {
+  const Problem& p;
+  int64_t d, first_pos, lo, hi, page_elems;
+  const T* k_layer;
+  const T* v_layer;
+  const int32_t* table;
+
+  Keys(const Problem& p_, const Task& t, int64_t head_dim) : p(p_), d(head_dim) {
+    const int64_t kv_len = std::min<int64_t>(p.kv_lens[t.seq], p.max_pages * p.page_size);
+    first_pos = kv_len - t.q_len + t.row0;  // position of the task's first row
+    hi = std::min(first_pos + t.rows, kv_len);  // keys any row can see: [lo, hi)
+    lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+    page_elems = p.page_size * d;
+    const int64_t layer_off = (p.layer * p.kv_heads + t.kv_head) * p.num_pages * page_elems;
+    k_layer = static_cast<const T*>(p.k) + layer_off;
+    v_layer = static_cast<const T*>(p.v) + layer_off;
+    table = p.page_tables + static_cast<int64_t>(t.seq) * p.max_pages;
+  }
+
+  int64_t page_offset(int64_t index) const {  // out-of-range page ids are clamped into the cache
+    const int64_t page = table[std::min<int64_t>(index, p.max_pages - 1)];
+    return std::min<int64_t>(std::max<int64_t>(page, 0), p.num_pages - 1) * page_elems;
+  }
+
+  // The block at `pos`: its number of keys and its offset in the layer. When it ends a page, the
+  // next page (scattered, so beyond the hardware prefetcher) is fetched.
+  int64_t block(int64_t pos, int64_t* offset) const {
+    const int64_t index = pos / p.page_size, slot = pos % p.page_size;
+    const int64_t count = std::min<int64_t>({kKeys, p.page_size - slot, hi - pos});
+    *offset = page_offset(index) + slot * d;
+    if (slot + count == p.page_size && pos + count < hi) {
+      const int64_t next = page_offset(index + 1);
+      for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_layer + next) + b);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_layer + next) + b);
+      }
+    }
+    return count;
+  }
+
+  // 1 for each of the block's keys the query at `qpos` sees (causal, window), else 0.
+  v16 visible(int64_t pos, int64_t count, int64_t qpos) const {
+    v16 ok = {};
+    for (int j = 0; j < kKeys; ++j) {
+      const int64_t kpos = pos + j;
+      ok[j] = (j < count && kpos <= qpos && (p.window <= 0 || qpos - kpos < p.window)) ? 1.f : 0.f;
+    }
+    return ok;
+  }
+};
+
+// One query's online-softmax step over a block's (scaled) logits: soft-caps them, masks the keys
+// it cannot see, writes the block's probabilities to `probs` (zeros if it sees none, and returns
+// false), and rescales its running sum `l` and unnormalised output `acc` (acc_len floats) to the
+// new running max `m`.
+inline bool softmax_step(v16 s16, const v16& visible, float softcap, float& m, float& l, float* probs, float* acc,
+                         int64_t acc_len) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (softcap > 0.f)
+    for (int j = 0; j < kKeys; ++j) s16[j] = std::tanh(s16[j] / softcap) * softcap;
+  s16 = visible > 0.f ? s16 : v16{} + neg_inf;
+  const float bm = hmax(s16);
+  if (bm == neg_inf) {
+    std::memset(probs, 0, sizeof(float) * kKeys);
+    return false;
+  }
+  const float m_new = std::max(m, bm);
+  const float alpha = m == neg_inf ? 0.f : exp16(v16{} + (m - m_new))[0];
+  const v16 p16 = exp16(s16 - m_new);
+  std::memcpy(probs, &p16, sizeof p16);
+  l = l * alpha + hsum(p16);
+  m = m_new;
+  if (alpha != 1.f)
+    for (int64_t c = 0; c < acc_len; ++c) acc[c] *= alpha;
+  return true;
+}
+
 // One task: `rows` query rows of one sequence, the `group` q heads of one kv head, in one pass
 // over the keys with an online softmax. Keys come in blocks of up to 16 within one page; each block
 // is widened to float32 once and serves every query of the task. head_dim must be a multiple of 16.
 template <typename T, int DV>
 void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
-  const int64_t d = 16 * DV, group = p.q_heads / p.kv_heads, nq = t.rows * group;
-  const int64_t start = t.start, q_len = t.q_len;
-  const int64_t kv_len = std::min<int64_t>(p.kv_lens[t.seq], p.max_pages * p.page_size);
-  const int64_t first_pos = kv_len - q_len + t.row0;  // position of the block's first row
-  const int64_t last_pos = first_pos + t.rows - 1;
-  const int64_t hi = std::min(last_pos + 1, kv_len);  // keys any row can see: [lo, hi)
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t d = 16 * DV, group = p.q_heads / p.kv_heads, nq = t.rows * group, start = t.start;
+  const Keys<T> keys(p, t, d);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   scratch.resize(static_cast<size_t>(2 * nq * d + kKeys * d + 2 * nq + nq * kKeys));
@@ -198,39 +282,16 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
   std::fill(m, m + nq, neg_inf);
   std::fill(l, l + nq, 0.f);
 
-  const int64_t layer_off = (p.layer * p.kv_heads + t.kv_head) * p.num_pages * p.page_size * d;
-  const T* k_layer = static_cast<const T*>(p.k) + layer_off;
-  const T* v_layer = static_cast<const T*>(p.v) + layer_off;
-  const int32_t* table = p.page_tables + static_cast<int64_t>(t.seq) * p.max_pages;
-  const int64_t page_elems = p.page_size * d;
-  auto page_offset = [&](int64_t index) {
-    int64_t page = table[std::min<int64_t>(index, p.max_pages - 1)];
-    return std::min<int64_t>(std::max<int64_t>(page, 0), p.num_pages - 1) * page_elems;
-  };
-
   v16 partial[kKeys];
-  for (int64_t pos = lo; pos < hi;) {
-    const int64_t index = pos / p.page_size, slot = pos % p.page_size;
-    const int64_t count = std::min<int64_t>({kKeys, p.page_size - slot, hi - pos});
-    const int64_t off = page_offset(index) + slot * d;
-    if (slot + count == p.page_size && pos + count < hi) {  // next page: scattered, so prefetch it
-      const int64_t next = page_offset(index + 1);
-      for (int64_t b = 0; b < page_elems * static_cast<int64_t>(sizeof(T)); b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_layer + next) + b);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_layer + next) + b);
-      }
-    }
-    for (int64_t j = 0; j < count; ++j) load_row<T>(k_layer + off + j * d, kb + j * d, static_cast<int>(d));
+  for (int64_t pos = keys.lo; pos < keys.hi;) {
+    int64_t off;
+    const int64_t count = keys.block(pos, &off);
+    for (int64_t j = 0; j < count; ++j) load_row<T>(keys.k_layer + off + j * d, kb + j * d, static_cast<int>(d));
 
     // Logits and probabilities of the block, query by query.
     bool any = false;
     for (int64_t r = 0; r < t.rows; ++r) {
-      const int64_t qpos = first_pos + r;
-      v16 lane_ok = {};
-      for (int j = 0; j < kKeys; ++j) {
-        const int64_t kpos = pos + j;
-        lane_ok[j] = (j < count && kpos <= qpos && (p.window <= 0 || qpos - kpos < p.window)) ? 1.f : 0.f;
-      }
+      const v16 visible = keys.visible(pos, count, keys.first_pos + r);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t i = r * group + g;
         const float* qi = qf + i * d;
@@ -240,31 +301,11 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
             for (int c = 0; c < DV; ++c) sum += load16(qi + 16 * c) * load16(kb + j * d + 16 * c);
           partial[j] = sum;
         }
-        v16 s16 = transpose_sum(partial);
-        if (p.softcap > 0.f)
-          for (int j = 0; j < kKeys; ++j) s16[j] = std::tanh(s16[j] / p.softcap) * p.softcap;
-        s16 = lane_ok > 0.f ? s16 : v16{} + neg_inf;
-        const float bm = hmax(s16);
-        float* pi = pb + i * kKeys;
-        if (bm == neg_inf) {  // nothing visible to this query in the block
-          std::memset(pi, 0, sizeof(float) * kKeys);
-          continue;
-        }
-        any = true;
-        const float m_new = std::max(m[i], bm);
-        const float alpha = m[i] == neg_inf ? 0.f : exp16(v16{} + (m[i] - m_new))[0];
-        const v16 p16 = exp16(s16 - m_new);
-        std::memcpy(pi, &p16, sizeof p16);
-        l[i] = l[i] * alpha + hsum(p16);
-        m[i] = m_new;
-        if (alpha != 1.f) {
-          float* a = acc + i * d;
-          for (int64_t c = 0; c < d; ++c) a[c] *= alpha;
-        }
+        any |= softmax_step(transpose_sum(partial), visible, p.softcap, m[i], l[i], pb + i * kKeys, acc + i * d, d);
       }
     }
     if (any) {  // probabilities times values; a zero probability never touches a (maybe NaN) value
-      for (int64_t j = 0; j < count; ++j) load_row<T>(v_layer + off + j * d, kb + j * d, static_cast<int>(d));
+      for (int64_t j = 0; j < count; ++j) load_row<T>(keys.v_layer + off + j * d, kb + j * d, static_cast<int>(d));
       for (int64_t i = 0; i < nq; ++i) {  // query-major: the query's output stays in registers
         const float* pi = pb + i * kKeys;
         float* a = acc + i * d;
@@ -292,10 +333,141 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
     }
 }
 
+#if JAXSERVE_BF16_DOT
+// run_task_dv for a bfloat16 cache on a CPU with AVX512-BF16: no widening of keys or values.
+// q.k runs VDPBF16PS over pairs of head dims (exact bf16 products, float32 sums, scaled after, as
+// the reference does); p.v runs it over pairs of keys, with the probabilities rounded to bfloat16
+// for that product (the softmax's max and sum stay float32; flash-attention kernels do the same).
+// A pair's second key past the block's end is a zero row, so an unwritten (NaN) slot is never
+// read. Values are interleaved in pairs once per block for every query of the task; the
+// interleave permutes head dims within each 32-dim chunk, undone once when the output is stored.
+template <int DV>
+void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  constexpr int D = 16 * DV, NC = (D + 31) / 32;  // head dims; 32-dim chunks
+  constexpr uint32_t kLastMask = D % 32 == 0 ? 0xffffffffu : 0xffffu;
+  const int64_t group = p.q_heads / p.kv_heads, nq = t.rows * group, start = t.start;
+  const Keys<uint16_t> keys(p, t, D);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto chunk_mask = [](int c) { return static_cast<__mmask32>(c == NC - 1 ? kLastMask : 0xffffffffu); };
+
+  scratch.resize(static_cast<size_t>(nq * NC * 32 + 2 * nq + nq * kKeys));
+  float* acc = scratch.data();  // [nq, NC, 32] unnormalised outputs, interleaved dim order
+  float* m = acc + nq * NC * 32;
+  float* l = m + nq;
+  float* pb = l + nq;  // [nq, kKeys]
+  thread_local std::vector<uint16_t> bf;
+  bf.resize(static_cast<size_t>(nq * NC * 32 + kKeys * NC * 32));
+  uint16_t* qb = bf.data();  // [nq, NC, 32] queries, zero padded
+  uint16_t* vb = qb + nq * NC * 32;  // [kKeys / 2, NC, 2, 32]: value rows interleaved in pairs
+
+  const uint16_t* q = static_cast<const uint16_t*>(p.q);
+  uint16_t* out = static_cast<uint16_t*>(p.out);
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      uint16_t* dst = qb + (r * group + g) * NC * 32;
+      std::memset(dst, 0, sizeof(uint16_t) * NC * 32);
+      std::memcpy(dst, q + ((start + t.row0 + r) * p.q_heads + t.kv_head * group + g) * D, sizeof(uint16_t) * D);
+    }
+  std::fill(acc, acc + nq * NC * 32, 0.f);
+  std::fill(m, m + nq, neg_inf);
+  std::fill(l, l + nq, 0.f);
+
+  for (int64_t pos = keys.lo; pos < keys.hi;) {
+    int64_t off;
+    const int64_t count = keys.block(pos, &off);
+    const uint16_t* kblk = keys.k_layer + off;
+
+    bool any = false;
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const v16 visible = keys.visible(pos, count, keys.first_pos + r);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = r * group + g;
+        __m512bh qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + (i * NC + c) * 32);
+        __m512 part[kKeys];
+        for (int j = 0; j < kKeys; ++j) {
+          __m512 sum = _mm512_setzero_ps();
+          if (j < count)
+            for (int c = 0; c < NC; ++c)
+              sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(c), kblk + j * D + c * 32));
+          part[j] = sum;
+        }
+        v16 parts[kKeys];
+        std::memcpy(parts, part, sizeof parts);
+        any |= softmax_step(transpose_sum(parts) * p.scale, visible, p.softcap, m[i], l[i], pb + i * kKeys,
+                            acc + i * NC * 32, NC * 32);
+      }
+    }
+    if (any) {
+      const int64_t pairs = (count + 1) / 2;
+      const uint16_t* vblk = keys.v_layer + off;
+      for (int64_t jp = 0; jp < pairs; ++jp)
+        for (int c = 0; c < NC; ++c) {
+          const __m512i r0 = _mm512_maskz_loadu_epi16(chunk_mask(c), vblk + (2 * jp) * D + c * 32);
+          const __m512i r1 = 2 * jp + 1 < count
+                                 ? _mm512_maskz_loadu_epi16(chunk_mask(c), vblk + (2 * jp + 1) * D + c * 32)
+                                 : _mm512_setzero_si512();
+          _mm512_storeu_si512(vb + ((jp * NC + c) * 2) * 32, _mm512_unpacklo_epi16(r0, r1));
+          _mm512_storeu_si512(vb + ((jp * NC + c) * 2 + 1) * 32, _mm512_unpackhi_epi16(r0, r1));
+        }
+      for (int64_t i = 0; i < nq; ++i) {
+        alignas(32) uint32_t pp[kKeys / 2];  // probabilities as bfloat16 pairs (key 2k low, 2k + 1 high)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pb + i * kKeys)));
+        float* a = acc + i * NC * 32;
+        __m512 av[2 * NC];
+        for (int c = 0; c < 2 * NC; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
+        for (int64_t jp = 0; jp < pairs; ++jp) {
+          if (pp[jp] == 0) continue;
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[jp]));
+          for (int c = 0; c < 2 * NC; ++c)
+            av[c] = _mm512_dpbf16_ps(av[c], w, (__m512bh)_mm512_loadu_si512(vb + (jp * NC * 2 + c) * 32));
+        }
+        for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+      }
+    }
+    pos += count;
+  }
+
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = r * group + g;
+      const __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+      uint16_t* dst = out + ((start + t.row0 + r) * p.q_heads + t.kv_head * group + g) * D;
+      for (int c = 0; c < NC; ++c) {
+        const __m512 lo_c = _mm512_loadu_ps(acc + (i * NC + c) * 32), hi_c = _mm512_loadu_ps(acc + (i * NC + c) * 32 + 16);
+        const __m512 o0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo_c, first, hi_c), inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32), (__m256i)_mm512_cvtneps_pbh(o0));
+        if (c < NC - 1 || D % 32 == 0) {
+          const __m512 o1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo_c, second, hi_c), inv);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(o1));
+        }
+      }
+    }
+}
+#endif  // JAXSERVE_BF16_DOT
+
 template <typename T>
 void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   // head_dim / 16 as a constant, so a query's output and the key block's rows stay in registers.
   // The head dims listed in cpu_attention.HEAD_DIMS; Attention() refuses the others.
+#if JAXSERVE_BF16_DOT
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    switch (p.head_dim / 16) {
+      case 1: return run_task_bf16<1>(p, t, scratch);
+      case 2: return run_task_bf16<2>(p, t, scratch);
+      case 3: return run_task_bf16<3>(p, t, scratch);
+      case 4: return run_task_bf16<4>(p, t, scratch);
+      case 5: return run_task_bf16<5>(p, t, scratch);
+      case 6: return run_task_bf16<6>(p, t, scratch);
+      case 7: return run_task_bf16<7>(p, t, scratch);
+      case 8: return run_task_bf16<8>(p, t, scratch);
+      case 12: return run_task_bf16<12>(p, t, scratch);
+      default: return run_task_bf16<16>(p, t, scratch);
+    }
+  }
+#endif
   switch (p.head_dim / 16) {
     case 1: return run_task_dv<T, 1>(p, t, scratch);
     case 2: return run_task_dv<T, 2>(p, t, scratch);

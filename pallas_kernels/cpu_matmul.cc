@@ -56,7 +56,7 @@ struct Problem {
 #if JAXSERVE_BF16_DOT
 
 constexpr int kStrip = 32;        // columns per strip of a [K, N] weight: one cache line of bf16
-constexpr int kRowsPerPass = 8;   // query rows per pass over a strip: 2 x 8 accumulators + temporaries fit 32 zmm
+constexpr int kRowsPerPass = 12;  // query rows per pass over a strip: 2 x 12 accumulators + temporaries fit 32 zmm
 constexpr int kPrefetchRows = 8;  // weight rows fetched ahead; the strided stream defeats the hardware prefetcher
 constexpr int kTransposedRows = 16;  // accumulators per [N, K] tile: rows x weight rows
 
@@ -72,20 +72,21 @@ void strip(const Problem& p, int64_t n0, int64_t m0) {
   const int64_t cols = std::min<int64_t>(kStrip, p.n - n0);
   const __mmask32 col_mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
   __m512 lo[MB], hi[MB];  // the interleave puts columns {0-3, 8-11, 16-19, 24-27} in lo, the rest in hi
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
   const uint16_t* w = p.w + n0;
   const uint16_t* x = p.x + m0 * p.k;
   const int64_t n = p.n;
   int64_t k = 0;
   for (; k + 1 < p.k; k += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchRows) * n), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchRows + 1) * n), _MM_HINT_T0);
+    const int64_t ahead = std::min<int64_t>(k + kPrefetchRows, p.k - 2);  // stays inside the weight
+    _mm_prefetch(reinterpret_cast<const char*>(w + ahead * n), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + 1) * n), _MM_HINT_T0);
     const __m512i r0 = _mm512_maskz_loadu_epi16(col_mask, w + k * n);
     const __m512i r1 = _mm512_maskz_loadu_epi16(col_mask, w + (k + 1) * n);
     const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
     const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(load_pair(x + m * p.k + k));
       lo[m] = _mm512_dpbf16_ps(lo[m], a, pl);
@@ -96,7 +97,7 @@ void strip(const Problem& p, int64_t n0, int64_t m0) {
     const __m512i r0 = _mm512_maskz_loadu_epi16(col_mask, w + k * n);
     const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(r0, _mm512_setzero_si512());
     const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(r0, _mm512_setzero_si512());
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[m * p.k + k]));
       lo[m] = _mm512_dpbf16_ps(lo[m], a, pl);
@@ -107,7 +108,7 @@ void strip(const Problem& p, int64_t n0, int64_t m0) {
   const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   const __mmask16 mask0 = static_cast<__mmask16>(col_mask), mask1 = static_cast<__mmask16>(col_mask >> 16);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) {
     uint16_t* dst = p.out + (m0 + m) * n + n0;
     const __m256bh o0 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo[m], first, hi[m]));
@@ -127,7 +128,11 @@ void strip_all_rows(const Problem& p, int64_t n0) {
       case 5: strip<5>(p, n0, m0); break;
       case 6: strip<6>(p, n0, m0); break;
       case 7: strip<7>(p, n0, m0); break;
-      default: strip<8>(p, n0, m0); break;
+      case 8: strip<8>(p, n0, m0); break;
+      case 9: strip<9>(p, n0, m0); break;
+      case 10: strip<10>(p, n0, m0); break;
+      case 11: strip<11>(p, n0, m0); break;
+      default: strip<12>(p, n0, m0); break;
     }
   }
 }
@@ -135,7 +140,7 @@ void strip_all_rows(const Problem& p, int64_t n0) {
 // Sixteen vectors of partial sums -> one vector holding the sixteen sums, in order.
 __attribute__((always_inline)) inline __m512 transpose_sum(const __m512 (&v)[16]) {
   __m512 a[8], b[4], c[2];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < 8; ++i)  // 256-bit halves
     a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
 #pragma GCC unroll 4
@@ -168,7 +173,11 @@ template <int MB, int NB>
 void transposed_tile(const Problem& p, const uint16_t* packed, int64_t n0, int64_t m0) {
   const int64_t k_len = p.k;
   const uint16_t* wr[NB];
-  for (int j = 0; j < NB; ++j) wr[j] = p.w + std::min<int64_t>(n0 + j, p.n - 1) * k_len;
+  const uint16_t* next[NB];  // rows two tiles on, fetched while this one computes (DRAM latency)
+  for (int j = 0; j < NB; ++j) {
+    wr[j] = p.w + std::min<int64_t>(n0 + j, p.n - 1) * k_len;
+    next[j] = p.w + std::min<int64_t>(n0 + 2 * NB + j, p.n - 1) * k_len;
+  }
   __m512 acc[kTransposedRows];  // MB * NB used, the rest stay zero for transpose_sum
 #pragma GCC unroll 16
   for (int i = 0; i < kTransposedRows; ++i) acc[i] = _mm512_setzero_ps();
@@ -177,7 +186,10 @@ void transposed_tile(const Problem& p, const uint16_t* packed, int64_t n0, int64
     const __mmask32 mask = k_len - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k_len - k)) - 1;
     __m512bh wv[NB];
 #pragma GCC unroll 16
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[j] + k);
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(next[j] + k), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[j] + k);
+    }
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xc + m * 32);
@@ -280,7 +292,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   p.k = xd[xd.size() - 1];
   p.n = transposed ? rows : cols;
   if ((transposed ? cols : rows) != p.k) return ffi::Error::InvalidArgument("cpu matmul: x and the weight disagree on K");
-  p.m = p.k > 0 ? static_cast<int64_t>(x.element_count()) / p.k : 0;
+  p.m = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) p.m *= xd[i];
   if (static_cast<int64_t>(out->element_count()) != p.m * p.n)
     return ffi::Error::InvalidArgument("cpu matmul: the output must be [..., N]");
   const int64_t l = layer.typed_data()[0];

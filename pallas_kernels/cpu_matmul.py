@@ -60,19 +60,36 @@ def available() -> bool:
 
 
 def supports(x: jax.Array, w: jax.Array) -> bool:
-    """Whether the kernel computes this product: bfloat16 both, at most MAX_ROWS rows of x."""
+    """Whether the kernel computes this product: bfloat16 both, 1..MAX_ROWS rows of x, K > 0,
+    static shapes."""
+    if not all(isinstance(d, int) for d in (*x.shape, *w.shape)):
+        return False  # symbolic (exported) shapes: XLA's dot
     rows = int(np.prod(x.shape[:-1]))
-    return x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows <= MAX_ROWS and available()
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and 0 < rows <= MAX_ROWS and x.shape[-1] > 0
+            and available())
 
 
-def _call(x: jax.Array, w: jax.Array, layer: jax.Array | int | None, transposed: bool, n: int) -> jax.Array:
-    layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+def _layer_of(x: jax.Array, w: jax.Array, layer: jax.Array | int | None, k_axis: int) -> jax.Array | None:
+    """Checks the shapes (at trace time, for both paths) and returns the layer index clamped into
+    range, as dynamic_index_in_dim (the fallback) clamps it; None for a single weight."""
+    if w.ndim != (2 if layer is None else 3):
+        raise ValueError(f"weight of shape {w.shape} with layer={layer!r}: expected a 2-D weight, "
+                         "or a stacked 3-D one with a layer index")
+    if w.shape[k_axis] != x.shape[-1]:
+        raise ValueError(f"x of shape {x.shape} and weight of shape {w.shape} disagree on K")
+    return None if layer is None else jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, w.shape[0] - 1)
+
+
+def _call(x: jax.Array, w: jax.Array, layer: jax.Array | None, transposed: bool, n: int) -> jax.Array:
+    layer = jnp.zeros((), jnp.int32) if layer is None else layer
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
         x, w, layer, transposed=transposed)
 
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] (or layer `layer` of w [L, K, N]) -> [..., N] in x's dtype."""
+    """x [..., K] @ w [K, N] (or layer `layer` of w [L, K, N], clamped into range) -> [..., N], as
+    `x @ w` would give it."""
+    layer = _layer_of(x, w, layer, -2)
     if not supports(x, w):
         w = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return x @ w
@@ -80,7 +97,9 @@ def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> 
 
 
 def matmul_transposed(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w.T for w [N, K] (or layer `layer` of w [L, N, K]) -> [..., N] in x's dtype."""
+    """x [..., K] @ w.T for w [N, K] (or layer `layer` of w [L, N, K], clamped into range) ->
+    [..., N], as the einsum would give it."""
+    layer = _layer_of(x, w, layer, -1)
     if not supports(x, w):
         w = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return jnp.einsum("...k,nk->...n", x, w)

@@ -74,6 +74,9 @@ def resolve_backend(name: str, dtype: object, platform: str | None = None, tenso
         if tensor_parallel > 1:
             raise ValueError(f"--matmul-backend cpu does not shard over devices; use xla with "
                              f"--tensor-parallel-size {tensor_parallel}")
+        if jnp.dtype(dtype) != jnp.bfloat16:
+            raise ValueError(f"--matmul-backend cpu multiplies bfloat16 weights; this model runs in "
+                             f"{jnp.dtype(dtype).name} (use --dtype bfloat16, or xla)")
         from pallas_kernels import cpu_matmul
 
         if not cpu_matmul.ensure_built():

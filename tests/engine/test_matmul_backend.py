@@ -34,6 +34,10 @@ def test_resolve_backend():
         products.resolve_backend("cpu", jnp.bfloat16, "gpu")
     with pytest.raises(ValueError, match="tensor-parallel-size 2"):
         products.resolve_backend("cpu", jnp.bfloat16, "cpu", tensor_parallel=2)
+    if cpu_matmul.available():
+        assert products.resolve_backend("cpu", jnp.bfloat16, "cpu") == "cpu"
+        with pytest.raises(ValueError, match="runs in float32"):
+            products.resolve_backend("cpu", jnp.float32, "cpu")
     with pytest.raises(ValueError, match="auto, xla, cpu"):
         products.resolve_backend("blas", jnp.bfloat16, "cpu")
 

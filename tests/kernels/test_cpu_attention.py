@@ -32,8 +32,10 @@ def paged(rng, kv_lens, *, page, dim, dtype, max_pages, kv_heads=3, layer=0, num
     return k, v, jnp.asarray(cache.page_tables)
 
 
+# bfloat16 head dims 16 / 48 end in a half 32-dim chunk of the AVX512-BF16 path (masked loads).
 @pytest.mark.parametrize("dtype,dim,window,softcap", [
     ("bfloat16", 64, 0, None), ("float32", 64, 0, None), ("float32", 128, 37, None), ("bfloat16", 64, 20, 30.0),
+    ("bfloat16", 128, 37, None), ("bfloat16", 48, 0, None), ("bfloat16", 16, 5, 20.0),
 ])
 def test_ragged_prefill_with_prefixes_equals_reference(dtype, dim, window, softcap):
     """Chunks of 40, 17, 1 and 5 new tokens after prefixes of 0, 30, 200 and 3 cached tokens (more

@@ -93,3 +93,21 @@ def test_what_the_kernel_does_not_cover_goes_to_xla():
     stacked = jnp.stack([w, w * 2])
     np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul_transposed(big, jnp.swapaxes(stacked, 1, 2), 1)),
                                   np.asarray(big @ (w * 2)))
+
+
+def test_edges_and_bad_shapes():
+    """K = 0 (zeros, as XLA gives), an out-of-range layer (clamped, as dynamic indexing clamps it,
+    on both paths), and shapes that do not fit together (refused while tracing, on both paths)."""
+    rng = np.random.default_rng(5)
+    empty = jax.jit(cpu_matmul.matmul)(jnp.zeros((3, 0), jnp.bfloat16), jnp.zeros((0, 5), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((3, 5)))
+    w = jnp.stack([_bf16(rng, 16, 8) for _ in range(3)])
+    for rows in (4, cpu_matmul.MAX_ROWS + 4):  # the kernel and the fallback
+        x = _bf16(rng, rows, 16)
+        for layer, used in ((7, 2), (-1, 0)):
+            got = jax.jit(lambda x, w, i: cpu_matmul.matmul(x, w, i))(x, w, jnp.int32(layer))
+            _check(got, x, w[used])
+        with pytest.raises(ValueError, match="stacked 3-D"):
+            cpu_matmul.matmul(x, w)  # a stack without a layer
+        with pytest.raises(ValueError, match="disagree on K"):
+            cpu_matmul.matmul_transposed(x, w[0])  # [16, 8] is [N, K] with K = 8, not 16
