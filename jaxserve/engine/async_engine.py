@@ -9,48 +9,36 @@ the request inside the engine before its next step.
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
 from typing import AsyncIterator
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.engine_thread import EngineDeadError, EngineThread, log, post
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 
-log = logging.getLogger("jaxserve.engine")
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 _DONE = object()
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a device error); no request can be served."""
-
-
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     def __init__(self, engine: Engine):
+        super().__init__("jaxserve-engine")
         self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
-        self._thread.start()
+        self._start()
 
     # ---- event-loop side -------------------------------------------------------------------------
     async def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate its output deltas. Validation errors raise here, before the
-        first delta (InvalidRequestError / RequestTooLongError)."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error}")
+        first delta (InvalidRequestError / RequestTooLongError); EngineDeadError once the engine
+        thread has stopped."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt_ids, params, priority, loop, deltas, accepted))
-        self._wake.set()
+        self._send(("add", request_id, prompt_ids, params, priority, loop, deltas, accepted))
         await accepted  # raises the validation error, if any
         return self._iterate(request_id, deltas)
 
@@ -71,63 +59,49 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
     @property
     def num_requests(self) -> int:
         return len(self._streams)
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stopping:
-                self._drain_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._post(out.request_id, out, last=out.finished)
-        except BaseException as e:  # a device failure ends every stream with the error
-            log.exception("engine loop failed")
-            self.error = e
-            for request_id in list(self._streams):
-                self._post(request_id, EngineDeadError(f"the engine stopped: {e}"), last=True)
-        finally:
-            for request_id in list(self._streams):
-                self.engine.abort(request_id)
-                self._post(request_id, _DONE, last=True)
-            try:
-                self.engine.close()  # multi-host: the other processes stop with this one
-            except Exception:
-                log.exception("could not stop the other processes")
+    def _tick(self) -> bool:
+        if not self.engine.has_unfinished():
+            return False
+        for out in self.engine.step():
+            self._post(out.request_id, out, last=out.finished)
+        return True
 
-    def _drain_commands(self) -> None:
-        while True:
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, request_id, prompt_ids, params, priority, loop, deltas, accepted = command
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+                self.engine.add_request(request_id, prompt_ids, params, priority)
+            except Exception as e:  # validation errors go back to the caller
+                post(loop, accepted, e)
                 return
-            if cmd[0] == "add":
-                _, request_id, prompt_ids, params, priority, loop, deltas, accepted = cmd
-                try:
-                    self.engine.add_request(request_id, prompt_ids, params, priority)
-                except Exception as e:  # validation errors go back to the caller
-                    loop.call_soon_threadsafe(_resolve, accepted, e)
-                    continue
-                self._streams[request_id] = (loop, deltas)
-                loop.call_soon_threadsafe(_resolve, accepted, None)
-            elif cmd[0] == "abort":
-                out = self.engine.abort(cmd[1])
-                if out is not None:
-                    self._post(cmd[1], out, last=True)
+            self._streams[request_id] = (loop, deltas)
+            post(loop, accepted, None)
+        elif command[0] == "abort":
+            out = self.engine.abort(command[1])
+            if out is not None:
+                self._post(command[1], out, last=True)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        for request_id in list(self._streams):
+            self._post(request_id, error, last=True)
+
+    def _refuse(self, command: tuple, error: EngineDeadError) -> None:
+        if command[0] == "add":
+            post(command[5], command[7], error)
+
+    def _close(self) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._post(request_id, _DONE, last=True)
+        try:
+            self.engine.close()  # multi-host: the other processes stop with this one
+        except Exception:
+            log.exception("could not stop the other processes")
 
     def _post(self, request_id: str, item: object, last: bool) -> None:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
@@ -141,12 +115,3 @@ class AsyncEngine:
             # free the request's pages; a dead client must never stop the engine.
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.engine_thread import EngineDeadError, EngineThread, post
 from jaxserve.engine.classify_batcher import (
     Bucket,
     ClassifyBatcher,
@@ -181,20 +179,15 @@ class ClassifyEngine:
         return [out[rid] for rid in ids]
 
 
-class AsyncClassifyEngine:
+class AsyncClassifyEngine(EngineThread):
     """The engine in its own thread; `classify()` is awaited from the event loop."""
 
     def __init__(self, engine: ClassifyEngine):
+        super().__init__("jaxserve-classify")
         self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-        self._closed = False  # set (under _lock) once the thread takes no more commands
-        self._lock = threading.Lock()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="jaxserve-classify", daemon=True)
-        self._thread.start()
+        self._started: Any = None  # the batch dispatched last, collected after the next dispatch
+        self._start()
 
     # ---- event-loop side -------------------------------------------------------------------------
     def validate(self, token_ids: list[int], param: str = "input") -> None:
@@ -202,30 +195,15 @@ class AsyncClassifyEngine:
         self.engine.batcher.validate(token_ids, param)
 
     async def classify(self, request_id: str, token_ids: list[int], priority: int = 0) -> ClassifyResult:
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error}")
         self.validate(token_ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        with self._lock:  # an input queued after the thread's last drain would wait forever
-            if self._closed:
-                raise EngineDeadError("the engine shut down")
-            self._commands.put(("add", ClassifyItem(request_id, list(token_ids), priority), loop, future))
-        self._wake.set()
+        self._send(("add", ClassifyItem(request_id, list(token_ids), priority), loop, future))
         try:
             return await future
         except asyncio.CancelledError:
             self.abort(request_id)  # the client went away: drop the input if it still waits
             raise
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
 
     @property
     def num_requests(self) -> int:
@@ -237,75 +215,48 @@ class AsyncClassifyEngine:
         return self.engine.batcher.num_waiting
 
     # ---- engine thread ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        started = None
-        try:
-            while not self._stopping:
-                self._drain_commands()
-                following = self.engine.dispatch() if self.engine.has_unfinished() else None
-                if started is not None:
-                    for result in self.engine.collect(started):
-                        self._resolve(result.request_id, result)
-                started = following
-                if started is None and not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-        except BaseException as e:  # a device failure fails every waiting input
-            log.exception("classify engine loop failed")
-            self.error = e
-            for request_id in list(self._futures):
-                self._resolve(request_id, EngineDeadError(f"the engine stopped: {e}"))
-        finally:
-            with self._lock:
-                self._closed = True
-            while not self._commands.empty():
-                cmd = self._commands.get_nowait()
-                if cmd[0] == "add":
-                    _post(cmd[2], cmd[3], EngineDeadError("the engine shut down"))
-            for request_id in list(self._futures):
-                self._resolve(request_id, EngineDeadError("the engine shut down"))
+    def _tick(self) -> bool:
+        # Dispatch the next batch before collecting the last, so the host work of one overlaps the
+        # device work of the other.
+        following = self.engine.dispatch() if self.engine.has_unfinished() else None
+        if self._started is not None:
+            for result in self.engine.collect(self._started):
+                self._resolve(result.request_id, result)
+        self._started = following
+        return self._started is not None or self.engine.has_unfinished()
 
-    def _drain_commands(self) -> None:
-        while True:
+    def _handle(self, command: tuple) -> None:
+        if command[0] == "add":
+            _, item, loop, future = command
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+                if item.request_id in self._futures:
+                    raise InvalidRequestError("rid", f"{item.request_id!r} is already running")
+                self.engine.batcher.add(item)
+            except Exception as e:  # validation errors go back to the caller
+                post(loop, future, e)
                 return
-            if cmd[0] == "add":
-                _, item, loop, future = cmd
-                try:
-                    if item.request_id in self._futures:
-                        raise InvalidRequestError("rid", f"{item.request_id!r} is already running")
-                    self.engine.batcher.add(item)
-                except Exception as e:  # validation errors go back to the caller
-                    _post(loop, future, e)
-                    continue
-                self._futures[item.request_id] = (loop, future)
-            elif cmd[0] == "abort":
-                # A caller that went away ignores this; one still waiting (shutdown) gets the error.
-                self.engine.abort(cmd[1])
-                self._resolve(cmd[1], RequestAbortedError(f"request {cmd[1]!r} was aborted"))
+            self._futures[item.request_id] = (loop, future)
+        elif command[0] == "abort":
+            # A caller that went away ignores this; one still waiting (shutdown) gets the error.
+            self.engine.abort(command[1])
+            self._resolve(command[1], RequestAbortedError(f"request {command[1]!r} was aborted"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        for request_id in list(self._futures):
+            self._resolve(request_id, error)
+
+    def _refuse(self, command: tuple, error: EngineDeadError) -> None:
+        if command[0] == "add":
+            post(command[2], command[3], error)
+
+    def _close(self) -> None:
+        for request_id in list(self._futures):
+            self._resolve(request_id, EngineDeadError("the engine shut down"))
 
     def _resolve(self, request_id: str, value: ClassifyResult | BaseException) -> None:
         entry = self._futures.pop(request_id, None)
         if entry is not None:
-            _post(*entry, value)
-
-
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(_settle, future, value)
-    except RuntimeError:
-        pass  # the caller's event loop is closed: nobody waits for this result any more
-
-
-def _settle(future: asyncio.Future, value: Any) -> None:
-    if future.done():
-        return
-    if isinstance(value, BaseException):
-        future.set_exception(value)
-    else:
-        future.set_result(value)
+            post(*entry, value)
 
 
 def start_classify_engine(config: "Config") -> tuple[ClassifyEngine, "Tokenizer", "LoadedClassifier", dict[str, float]]:

@@ -16,7 +16,7 @@ import pydantic
 from quart import Response
 from werkzeug.exceptions import HTTPException
 
-from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.engine_thread import EngineDeadError
 from jaxserve.engine.request import InvalidRequestError
 from jaxserve.tokenizer import ChatTemplateError
 

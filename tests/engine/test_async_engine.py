@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.engine.engine import Engine, EngineConfig
 from jaxserve.engine.request import InvalidRequestError, RequestTooLongError, SamplingParams
 from jaxserve.models.reference import greedy_reference
@@ -76,5 +76,27 @@ def test_errors_raise_at_submit_and_closing_a_stream_aborts(setup):
 
     asyncio.run(run())
     _wait_idle(async_engine.engine)
+    assert not async_engine.engine.has_unfinished()
+    async_engine.engine.check_idle_integrity()
+
+
+def test_shutdown_ends_open_streams_and_refuses_later_requests(setup):
+    """Shutting the thread down ends a stream still running, and a request submitted afterwards is
+    refused at once with EngineDeadError (it used to wait forever on a thread that was gone). Runs
+    last in this module: it stops the shared engine thread."""
+    _, async_engine = setup
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+
+    async def run() -> None:
+        stream = await async_engine.submit("open", [1, 2, 3], params)
+        first = await stream.__anext__()
+        assert first.outputs and not first.finished
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        rest = [out async for out in stream]  # ends (the thread aborted it), without finishing
+        assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest if o.outputs) < 60
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(async_engine.submit("late", [1, 2, 3], params), timeout=5)
+
+    asyncio.run(run())
     assert not async_engine.engine.has_unfinished()
     async_engine.engine.check_idle_integrity()
