@@ -58,7 +58,9 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
         scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
                                   max_prefill_seqs=4, max_model_len=max_len),
         attention_backend=resolve_backend(attention_backend),
-        matmul_backend=products.resolve_backend(matmul_backend, ready.loaded.model.dtype),
+        # The native products are bfloat16 only: a float32 run in a `--matmul-backend cpu` A/B uses XLA's.
+        matmul_backend=products.resolve_backend("xla" if matmul_backend == "cpu" and dtype != "bfloat16"
+                                                else matmul_backend, ready.loaded.model.dtype),
         overlap=overlap,
     )
     engine = Engine(ready.loaded.model, ready.tokenizer, config)

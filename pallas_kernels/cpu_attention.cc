@@ -8,6 +8,10 @@
 // block of query rows) reads its keys and values once, straight from the pages, and never writes
 // them anywhere.
 //
+// On CPUs with AVX512-BF16 a bfloat16 cache is not widened at all (run_task_bf16): its products use
+// bfloat16 dot instructions, and the probabilities are rounded to bfloat16 for p.v (softmax max
+// and sum stay float32).
+//
 // Semantics are the references' (pallas_kernels/ragged_paged_attention.py): query row i of
 // sequence b sits at position kv_lens[b] - q_len_b + i; key position k is visible iff k <= qpos and
 // (window == 0 or qpos - k < window); logits are q.k * scale, soft-capped as tanh(s / cap) * cap

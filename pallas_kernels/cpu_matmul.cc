@@ -11,9 +11,9 @@
 //
 // Layout of the work: [K, N] weights are cut into strips of 32 columns. For each strip, rows k and
 // k+1 are loaded as whole cache lines and interleaved (bf16 pairs along K, what VDPBF16PS takes),
-// then multiplied into up to 8 query rows at once; more rows reuse the strip from L2. [N, K] weights
-// are read a row at a time, 32 elements of K per instruction, and reduced at the end. Strips / rows
-// are shared out over XLA's CPU thread pool.
+// then multiplied into up to 12 query rows at once; more rows reuse the strip from L2. [N, K] weights
+// are read in tiles of 4 rows (8 for fewer than 4 query rows), 32 elements of K per instruction,
+// and reduced at the end. Strips / tiles are shared out over XLA's CPU thread pool.
 //
 // Rounding: every product and partial sum is float32 (VDPBF16PS adds the two products of a pair
 // before the accumulator, and treats bf16 denormals as zero); the output is rounded to bfloat16 to

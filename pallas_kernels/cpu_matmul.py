@@ -71,7 +71,8 @@ def supports(x: jax.Array, w: jax.Array) -> bool:
 
 def _layer_of(x: jax.Array, w: jax.Array, layer: jax.Array | int | None, k_axis: int) -> jax.Array | None:
     """Checks the shapes (at trace time, for both paths) and returns the layer index clamped into
-    range, as dynamic_index_in_dim (the fallback) clamps it; None for a single weight."""
+    [0, L) -- for the kernel and the fallback alike, so both read the same layer -- or None for a
+    single weight."""
     if w.ndim != (2 if layer is None else 3):
         raise ValueError(f"weight of shape {w.shape} with layer={layer!r}: expected a 2-D weight, "
                          "or a stacked 3-D one with a layer index")
@@ -87,7 +88,7 @@ def _call(x: jax.Array, w: jax.Array, layer: jax.Array | None, transposed: bool,
 
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] (or layer `layer` of w [L, K, N], clamped into range) -> [..., N], as
+    """x [..., K] @ w [K, N] (or layer `layer` of w [L, K, N], clamped into [0, L)) -> [..., N], as
     `x @ w` would give it."""
     layer = _layer_of(x, w, layer, -2)
     if not supports(x, w):
@@ -97,7 +98,7 @@ def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> 
 
 
 def matmul_transposed(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w.T for w [N, K] (or layer `layer` of w [L, N, K], clamped into range) ->
+    """x [..., K] @ w.T for w [N, K] (or layer `layer` of w [L, N, K], clamped into [0, L)) ->
     [..., N], as the einsum would give it."""
     layer = _layer_of(x, w, layer, -1)
     if not supports(x, w):

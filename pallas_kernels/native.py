@@ -53,6 +53,13 @@ def _cpu_signature() -> str:
 
 def build(source: Path) -> Path:
     """Compile `source` into a shared library in the cache (or find it there); raises BuildError."""
+    try:
+        return _build(source)
+    except OSError as e:  # e.g. an unreadable source, a read-only cache directory
+        raise BuildError(f"building {source.name} failed: {e}") from e
+
+
+def _build(source: Path) -> Path:
     cxx = compiler()
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -61,18 +68,15 @@ def build(source: Path) -> Path:
     out = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if out.exists():
         return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log.info("building the native CPU kernel %s (%s, once per machine) ...", source.name, cxx)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            proc = subprocess.run([cxx, *FLAGS, "-I", include, str(source), "-o", str(tmp_out)],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"building {source.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
-            os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
-    except OSError as e:  # e.g. a read-only cache directory
-        raise BuildError(f"building {source.name} failed: {e}") from e
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the native CPU kernel %s (%s, once per machine) ...", source.name, cxx)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run([cxx, *FLAGS, "-I", include, str(source), "-o", str(tmp_out)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"building {source.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
     return out
 
 

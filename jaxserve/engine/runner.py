@@ -95,8 +95,8 @@ class ModelRunner:
         # the CPU a bfloat16 step with XLA's products never multiplies a single row: one-token steps
         # get a padding token and a one-sequence head gets a padding row. (The native kernel streams
         # one row at the memory's rate.)
-        xla_bf16 = matmul_backend == "xla" and jnp.dtype(decoder.dtype) == jnp.bfloat16
-        self.min_rows = 2 if cpu and xla_bf16 else 1
+        native = matmul_backend == "cpu" and cpu and _native_products_available()
+        self.min_rows = 2 if cpu and not native and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
         self._sampling_shape = sampling_shape
         self._compiled: dict[Bucket, Any] = {}
         # Multi-host: the leader sends each step here before running it (set by the Engine).
@@ -213,6 +213,12 @@ class ModelRunner:
             self.channel.send(bucket, inputs)
         self.kv, out, prompt = compiled(self.params, self.kv, inputs)
         return out, prompt
+
+
+def _native_products_available() -> bool:
+    from pallas_kernels import cpu_matmul
+
+    return cpu_matmul.available()
 
 
 def _keep_cache_layout(attend: AttentionFn, kv_sharding: jax.sharding.Sharding) -> AttentionFn:

@@ -98,6 +98,8 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
     broken.write_text("this is not C++\n")
     with pytest.raises(native.BuildError, match="broken.cc .*failed"):
         native.build(broken)
+    with pytest.raises(native.BuildError, match="missing.cc failed"):  # an OSError, reported as a build error
+        native.build(tmp_path / "missing.cc")
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ / c++ / clang++ either
     with pytest.raises(native.BuildError, match="no C\\+\\+ compiler"):

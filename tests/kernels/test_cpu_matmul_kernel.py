@@ -1,5 +1,5 @@
 """The native CPU product kernel (`pallas_kernels/cpu_matmul.cc`) against float64 sums of the same
-bfloat16 inputs, and the decoder / engine running their products through it (backend "cpu").
+bfloat16 inputs (the decoder and the engine on it: tests/engine/test_matmul_backend.py).
 
 The kernel adds float32 products in its own order and rounds once to bfloat16, so each output must
 lie within one bfloat16 rounding (2^-8 relative) plus float32 summation error of the exact sum; a
@@ -33,11 +33,11 @@ def _check(got, x, w_kn):
     assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
 
 
-# Rows: 1 (a decode step of one sequence), odd counts around the 8-row pass and the 4-row transposed
+# Rows: 1 (a decode step of one sequence), counts around the 12-row pass and the 4-row transposed
 # tile, and the largest the kernel takes. K and N: multiples of the 32-wide strips, odd K (the last
 # row pairs with zeros) and N not a multiple of 32 / of the transposed tile (masked tails).
-SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (16, 576, 192), (17, 31, 33),
-          (32, 576, 576), (5, 7, 1)]
+SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (12, 64, 64), (13, 96, 32),
+          (16, 576, 192), (17, 31, 33), (25, 64, 96), (32, 576, 576), (5, 7, 1)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -96,8 +96,9 @@ def test_what_the_kernel_does_not_cover_goes_to_xla():
 
 
 def test_edges_and_bad_shapes():
-    """K = 0 (zeros, as XLA gives), an out-of-range layer (clamped, as dynamic indexing clamps it,
-    on both paths), and shapes that do not fit together (refused while tracing, on both paths)."""
+    """K = 0 (XLA's zeros: the kernel leaves it to XLA), an out-of-range layer (clamped into
+    [0, L), the same layer on both paths), and shapes that do not fit together (refused while
+    tracing, on both paths)."""
     rng = np.random.default_rng(5)
     empty = jax.jit(cpu_matmul.matmul)(jnp.zeros((3, 0), jnp.bfloat16), jnp.zeros((0, 5), jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((3, 5)))
