@@ -20,25 +20,15 @@
 // clamped into [0, num_pages) so they cannot read outside the cache.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
+#include <type_traits>
 #include <vector>
 
-#include <type_traits>
-
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define JAXSERVE_BF16_DOT 1
-#else
-#define JAXSERVE_BF16_DOT 0
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -432,8 +422,6 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
     pos += count;
   }
 
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int64_t r = 0; r < t.rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t i = r * group + g;
@@ -441,10 +429,10 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
       uint16_t* dst = out + ((start + t.row0 + r) * p.q_heads + t.kv_head * group + g) * D;
       for (int c = 0; c < NC; ++c) {
         const __m512 lo_c = _mm512_loadu_ps(acc + (i * NC + c) * 32), hi_c = _mm512_loadu_ps(acc + (i * NC + c) * 32 + 16);
-        const __m512 o0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo_c, first, hi_c), inv);
+        const __m512 o0 = _mm512_mul_ps(jaxserve::pairs_first_half(lo_c, hi_c), inv);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32), (__m256i)_mm512_cvtneps_pbh(o0));
         if (c < NC - 1 || D % 32 == 0) {
-          const __m512 o1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo_c, second, hi_c), inv);
+          const __m512 o1 = _mm512_mul_ps(jaxserve::pairs_second_half(lo_c, hi_c), inv);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(o1));
         }
       }
@@ -486,26 +474,9 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   }
 }
 
-// Work shared by the caller and the pool's threads; held by shared_ptr so a worker that starts
-// after all tasks are taken (the pool may be busy with other ops) touches nothing that is gone.
-struct Shared {
-  std::vector<Task> tasks;
-  std::atomic<size_t> next{0};
-  std::atomic<size_t> done{0};
-};
-
-template <typename T>
-void drain(const Problem& p, Shared& sh) {
-  std::vector<float> scratch;
-  for (size_t i; (i = sh.next.fetch_add(1)) < sh.tasks.size();) {
-    run_task<T>(p, sh.tasks[i], scratch);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 template <typename T, typename Pool>
 void run_all(const Problem& p, Pool& pool) {
-  auto sh = std::make_shared<Shared>();
+  std::vector<Task> tasks;
   T* out = static_cast<T*>(p.out);
   const int64_t row_elems = p.q_heads * p.head_dim;
   auto zero_rows = [&](int64_t from, int64_t to) {  // rows no task writes: padding, empty sequences
@@ -527,19 +498,16 @@ void run_all(const Problem& p, Pool& pool) {
     }
     for (int64_t r0 = 0; r0 < q_len; r0 += kRowBlock)
       for (int32_t h = 0; h < p.kv_heads; ++h)
-        sh->tasks.push_back({static_cast<int32_t>(b), h, static_cast<int32_t>(r0),
+        tasks.push_back({static_cast<int32_t>(b), h, static_cast<int32_t>(r0),
                              static_cast<int32_t>(std::min<int64_t>(kRowBlock, q_len - r0)), start, q_len});
   }
   zero_rows(prev_end, p.total);
 
-  // The calling thread works too, so the pool adds at most num_threads - 1 (XLA's pool has one thread per core).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(sh->tasks.size()) - 1);
-  for (int64_t w = 0; w < helpers; ++w) {
-    Problem copy = p;
-    pool.Schedule([sh, copy] { drain<T>(copy, *sh); });
-  }
-  drain<T>(p, *sh);
-  while (sh->done.load(std::memory_order_acquire) < sh->tasks.size()) std::this_thread::yield();
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());  // before `tasks` moves into the lambda
+  jaxserve::parallel_for(pool, num_tasks, [p, tasks = std::move(tasks)](int64_t i) {
+    thread_local std::vector<float> scratch;  // grows to the largest task a thread has run
+    run_task<T>(p, tasks[i], scratch);
+  });
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -20,25 +20,15 @@
 // nearest even, as XLA's convert does. Sums run in a different order than XLA's dot, so results
 // agree to float32 rounding before the final bf16 rounding, not bit for bit.
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define JAXSERVE_BF16_DOT 1
-#else
-#define JAXSERVE_BF16_DOT 0
-#endif
 
 // Whether this build has the instructions the kernel needs; cpu_matmul.py asks before using it.
 extern "C" int JaxserveMatmulSupported() { return JAXSERVE_BF16_DOT; }
@@ -104,15 +94,12 @@ void strip(const Problem& p, int64_t n0, int64_t m0) {
       hi[m] = _mm512_dpbf16_ps(hi[m], a, ph);
     }
   }
-  // Undo the interleave's column order: 128-bit lanes (lo0 hi0 lo1 hi1) and (lo2 hi2 lo3 hi3).
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   const __mmask16 mask0 = static_cast<__mmask16>(col_mask), mask1 = static_cast<__mmask16>(col_mask >> 16);
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m) {
     uint16_t* dst = p.out + (m0 + m) * n + n0;
-    const __m256bh o0 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo[m], first, hi[m]));
-    const __m256bh o1 = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo[m], second, hi[m]));
+    const __m256bh o0 = _mm512_cvtneps_pbh(jaxserve::pairs_first_half(lo[m], hi[m]));
+    const __m256bh o1 = _mm512_cvtneps_pbh(jaxserve::pairs_second_half(lo[m], hi[m]));
     _mm256_mask_storeu_epi16(dst, mask0, (__m256i)o0);
     _mm256_mask_storeu_epi16(dst + 16, mask1, (__m256i)o1);
   }
@@ -238,27 +225,8 @@ void run_task(const Problem& p, const Task& t) {
     }
 }
 
-// Shared by the caller and the pool's threads; held by shared_ptr so a worker that starts after
-// every task is taken (the pool may be busy with other ops) touches nothing that is gone.
-struct Shared {
-  Problem p;
-  int64_t chunk, num_tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void drain(Shared& sh) {
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.num_tasks;) {
-    const int64_t begin = i * sh.chunk;
-    run_task(sh.p, {begin, std::min(begin + sh.chunk, sh.p.n)});
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 template <typename Pool>
 void run_all(const Problem& p, Pool& pool) {
-  auto sh = std::make_shared<Shared>();
-  sh->p = p;
   // Columns per task: a multiple of the tile width, about 8 tasks per thread so threads that start
   // late still get a share, and at least ~64 KB of weight so the pool's overhead stays small.
   const int64_t unit = p.transposed ? transposed_weight_rows(p.m) : kStrip;
@@ -266,12 +234,10 @@ void run_all(const Problem& p, Pool& pool) {
   const int64_t min_cols = std::max<int64_t>(unit, (64 * 1024 / 2) / std::max<int64_t>(p.k, 1));
   int64_t chunk = std::max<int64_t>(min_cols, p.n / (8 * threads));
   chunk = (chunk + unit - 1) / unit * unit;
-  sh->chunk = chunk;
-  sh->num_tasks = (p.n + chunk - 1) / chunk;
-  const int64_t helpers = std::min<int64_t>(threads - 1, sh->num_tasks - 1);
-  for (int64_t w = 0; w < helpers; ++w) pool.Schedule([sh] { drain(*sh); });
-  drain(*sh);
-  while (sh->done.load(std::memory_order_acquire) < sh->num_tasks) std::this_thread::yield();
+  jaxserve::parallel_for(pool, (p.n + chunk - 1) / chunk, [p, chunk](int64_t i) {
+    const int64_t begin = i * chunk;
+    run_task(p, {begin, std::min(begin + chunk, p.n)});
+  });
 }
 
 #endif  // JAXSERVE_BF16_DOT

@@ -1,7 +1,7 @@
 """Build and load the native CPU kernels (`cpu_attention.cc`, `cpu_matmul.cc`): XLA FFI custom calls
 compiled on first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) for this
-machine (-march=native), into a cache directory keyed by the source, the compiler, jaxlib and the
-CPU, so later processes only load them.
+machine (-march=native), into a cache directory keyed by the source, the headers next to it
+(`cpu_parallel.h`), the compiler, jaxlib and the CPU, so later processes only load them.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def _build(source: Path) -> Path:
     cxx = compiler()
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
     key = hashlib.sha256("\n".join(
-        [source.read_text(), cxx, version, " ".join(FLAGS), jax.lib.__version__, _cpu_signature()]).encode()).hexdigest()
+        [source.read_text(), *headers, cxx, version, " ".join(FLAGS), jax.lib.__version__, _cpu_signature()]
+    ).encode()).hexdigest()
     out = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if out.exists():
         return out
