@@ -89,8 +89,7 @@ def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype,
                                               tensor_parallel=config.parallel.tensor_parallel_size)
-    log.info("products: %s", "native CPU kernel (bfloat16, up to 32 rows; XLA above)"
-             if matmul_backend == "cpu" else "XLA")
+    log.info("products: %s", products.describe_backend(matmul_backend))
     engine = Engine(
         ready.loaded.model,
         ready.tokenizer,

@@ -200,23 +200,31 @@ struct Task {
 int transposed_rows_per_pass(int64_t m) { return m >= 4 ? 4 : m >= 2 ? 2 : 1; }
 int transposed_weight_rows(int64_t m) { return m >= 4 ? 4 : 8; }
 
-void run_task(const Problem& p, const Task& t) {
+// The packed x of a transposed product: blocks of transposed_rows_per_pass rows (pack_rows).
+int64_t packed_block(const Problem& p) { return (p.k + 31) / 32 * transposed_rows_per_pass(p.m) * 32; }
+
+std::vector<uint16_t> pack_all_rows(const Problem& p) {
+  const int mb = transposed_rows_per_pass(p.m);
+  const int64_t block = packed_block(p), blocks = (p.m + mb - 1) / mb;
+  std::vector<uint16_t> packed(blocks * block);
+  for (int64_t b = 0; b < blocks; ++b) pack_rows(p, b * mb, mb, packed.data() + b * block);
+  return packed;
+}
+
+// `packed`: pack_all_rows(p) for a transposed product, unused otherwise.
+void run_task(const Problem& p, const Task& t, const uint16_t* packed) {
   if (!p.transposed) {
     for (int64_t n0 = t.begin; n0 < t.end; n0 += kStrip) strip_all_rows(p, n0);
     return;
   }
   const int mb = transposed_rows_per_pass(p.m);
   const int nb = transposed_weight_rows(p.m);
-  const int64_t block = (p.k + 31) / 32 * mb * 32;  // one packed block of mb rows
-  const int64_t blocks = (p.m + mb - 1) / mb;
-  thread_local std::vector<uint16_t> packed;
-  packed.resize(blocks * block);
-  for (int64_t b = 0; b < blocks; ++b) pack_rows(p, b * mb, mb, packed.data() + b * block);
+  const int64_t block = packed_block(p), blocks = (p.m + mb - 1) / mb;
   // Weight rows outside, x blocks inside: the tile's weight rows are read from memory once and
   // from L1 for every further block of x rows.
   for (int64_t n0 = t.begin; n0 < t.end; n0 += nb)
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint16_t* xb = packed.data() + b * block;
+      const uint16_t* xb = packed + b * block;
       switch (mb) {
         case 4: transposed_tile<4, 4>(p, xb, n0, b * mb); break;
         case 2: transposed_tile<2, 8>(p, xb, n0, b * mb); break;
@@ -234,9 +242,11 @@ void run_all(const Problem& p, Pool& pool) {
   const int64_t min_cols = std::max<int64_t>(unit, (64 * 1024 / 2) / std::max<int64_t>(p.k, 1));
   int64_t chunk = std::max<int64_t>(min_cols, p.n / (8 * threads));
   chunk = (chunk + unit - 1) / unit * unit;
-  jaxserve::parallel_for(pool, (p.n + chunk - 1) / chunk, [p, chunk](int64_t i) {
+  // x is packed once per call, not by every task.
+  std::vector<uint16_t> packed = p.transposed ? pack_all_rows(p) : std::vector<uint16_t>();
+  jaxserve::parallel_for(pool, (p.n + chunk - 1) / chunk, [p, chunk, packed = std::move(packed)](int64_t i) {
     const int64_t begin = i * chunk;
-    run_task(p, {begin, std::min(begin + chunk, p.n)});
+    run_task(p, {begin, std::min(begin + chunk, p.n)}, packed.data());
   });
 }
 

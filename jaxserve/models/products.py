@@ -61,6 +61,16 @@ def for_backend(name: str) -> Products:
     raise ValueError(f"unknown matmul backend {name!r}; expected one of {BACKENDS}")
 
 
+def describe_backend(name: str) -> str:
+    """One line for the start-up log."""
+    if name == "cpu":
+        from pallas_kernels import cpu_matmul
+
+        return (f"cpu (native kernel, pallas_kernels/cpu_matmul.cc: bfloat16, up to {cpu_matmul.MAX_ROWS} rows; "
+                "XLA's dot above)")
+    return "xla (XLA's dot)"
+
+
 def resolve_backend(name: str, dtype: object, platform: str | None = None, tensor_parallel: int = 1) -> str:
     """The concrete backend ("xla" or "cpu") of a --matmul-backend choice for a model of `dtype` on
     `platform` (default: jax's default backend). "cpu" is built here, so a missing compiler or

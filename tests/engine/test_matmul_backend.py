@@ -24,6 +24,7 @@ needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CP
 
 def test_resolve_backend():
     assert products.resolve_backend("xla", jnp.bfloat16, "cpu") == "xla"
+    assert f"up to {cpu_matmul.MAX_ROWS} rows" in products.describe_backend("cpu")
     # The kernel computes bfloat16 only, on the CPU only, and has no sharding rule.
     assert products.resolve_backend("auto", jnp.float32, "cpu") == "xla"
     assert products.resolve_backend("auto", jnp.bfloat16, "gpu") == "xla"
