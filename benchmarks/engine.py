@@ -40,11 +40,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
                  load_format: str = "auto", attention_backend: str = "auto", matmul_backend: str = "auto",
-                 sharded: bool = True,
-                 max_num_batched_tokens: int | None = None, overlap: bool = True) -> dict:
+                 sharded: bool = True, max_num_batched_tokens: int | None = None, overlap: bool = True,
+                 decode_steps: int = 1) -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
-    from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
     from jaxserve.engine.request import SamplingParams
     from jaxserve.models import products
     from jaxserve.startup import load
@@ -56,15 +56,15 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
     config = EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=max_c * (-(-max_len // 16)) + 8),
         scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
-                                  max_prefill_seqs=4, max_model_len=max_len),
+                                  max_prefill_seqs=4, max_model_len=max_len, decode_steps=decode_steps),
         attention_backend=resolve_backend(attention_backend),
         # The native products are bfloat16 only: a float32 run in a `--matmul-backend cpu` A/B uses XLA's.
         matmul_backend=products.resolve_backend("xla" if matmul_backend == "cpu" and dtype != "bfloat16"
                                                 else matmul_backend, ready.loaded.model.dtype),
         overlap=overlap,
     )
-    engine = Engine(ready.loaded.model, ready.tokenizer, config)
-    compile_s = engine.compile()
+    engine = build_engine(ready.loaded.model, ready.tokenizer, config, compile=False)
+    compile_s = compile_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     results = {}
     for c in concurrency:
@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--no-overlap", action="store_true",
                    help="finish each step before starting the next (EngineConfig.overlap=False), to time the overlap")
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                   help="decode iterations per device step to compare (each its own run)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:
@@ -158,13 +160,15 @@ def main() -> None:
         entry = {}
         for layout in args.layouts:
             for matmul in args.matmul_backend:
-                key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
-                entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
-                                          load_format=args.load_format, attention_backend=args.attention_backend,
-                                          matmul_backend=matmul, sharded=layout == "sharded",
-                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                          overlap=not args.no_overlap)
-                gc.collect()  # one run's weights and KV cache must be gone before the next loads
+                for k in args.decode_steps:
+                    key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
+                    key += f"/K{k}" if len(args.decode_steps) > 1 else ""
+                    entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
+                                              load_format=args.load_format, attention_backend=args.attention_backend,
+                                              matmul_backend=matmul, sharded=layout == "sharded",
+                                              max_num_batched_tokens=args.max_num_batched_tokens,
+                                              overlap=not args.no_overlap, decode_steps=k)
+                    gc.collect()  # one run's weights and KV cache must be gone before the next loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)
         report["results"][dtype] = entry

@@ -33,9 +33,9 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
 
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
-    from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.engine.build import EngineConfig, build_engine
     from jaxserve.engine.request import SamplingParams
-    from jaxserve.engine.runner import Bucket, build_inputs
+    from jaxserve.engine.step_inputs import PAGE_CHUNK
     from jaxserve.startup import load
 
     ready = load(ModelConfig(model=args.model, served_model_name="profile", dtype=args.dtype,
@@ -44,40 +44,51 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
     max_seqs = max(args.decode_buckets)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=args.prefill_bucket, max_prefill_seqs=4,
                             max_model_len=args.context + 200, decode_buckets=tuple(args.decode_buckets),
-                            prefill_buckets=(args.prefill_bucket,))
-    engine = Engine(ready.loaded.model, ready.tokenizer, EngineConfig(
-        cache=CacheConfig(page_size=16, num_pages=args.num_pages), scheduler=sched,
-        attention_backend=resolve_backend(args.attention_backend), layer_loop=args.layer_loop))
+                            prefill_buckets=(args.prefill_bucket,), decode_steps=args.decode_steps)
     start = time.perf_counter()
-    engine.compile()
+    engine = build_engine(ready.loaded.model, ready.tokenizer, EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=args.num_pages), scheduler=sched,
+        attention_backend=resolve_backend(args.attention_backend)))
+    runner, builder = engine.runner, engine.builder
     lines = [f"{layout}: compiled {len(engine.compile_seconds)} shapes in {time.perf_counter() - start:.1f}s, "
-             f"attention {engine.config.attention_backend}, layer loop {engine.layer_loop}"]
-    kv = engine.runner.kv.k
+             f"attention {runner.attention_backend}, up to {args.decode_steps} decode iterations per step"]
+    kv = runner.kv.k
     dims = ",".join(map(str, kv.shape))
-    for bucket, compiled in engine.runner._compiled.items():
+    for key, compiled in runner.compiled_steps.items():
         ma = compiled.memory_analysis()
         copies = sum(1 for line in compiled.as_text().splitlines()
                      if re.search(r"= \w+\[" + re.escape(dims) + r"\]\S* copy\(", line))
-        lines.append(f"{layout} {bucket.kind:<7} {bucket.tokens:>5}: scratch {ma.temp_size_in_bytes / 2**30:6.2f} GiB, "
+        lines.append(f"{layout} {key[0]:<7} {key[1]:>5}: scratch {ma.temp_size_in_bytes / 2**30:6.2f} GiB, "
                      f"aliased {ma.alias_size_in_bytes / 2**30:6.2f} GiB, arguments "
                      f"{ma.argument_size_in_bytes / 2**30:6.2f} GiB, whole-cache copies {copies}")
-    page = engine.allocator.page_size
+    page = engine.info.page_size
     pages_per_seq = -(-args.context // page)
     for size in args.decode_buckets:
-        bucket = Bucket("decode", size, size)
         if size * pages_per_seq + 1 > args.num_pages:
             lines.append(f"{layout} decode {size:>5}: skipped (needs {size * pages_per_seq + 1} pages)")
             continue
-        rows = [([5], args.context - 1, list(range(1 + pages_per_seq * i, 1 + pages_per_seq * (i + 1))))
-                for i in range(size)]
-        inputs = build_inputs(bucket, rows, page, engine.max_pages_per_seq, engine._sampling([], size))
-        jax.block_until_ready(engine.runner.run(bucket, inputs))
+        # Rows 0..size-1 (greedy padding parameters) with `context` tokens of pages each.
+        entries = [(row, i, 1 + pages_per_seq * row + i) for row in range(size) for i in range(pages_per_seq)]
+        for start_entry in range(0, len(entries), PAGE_CHUNK):
+            payload = builder.empty(("pages", PAGE_CHUNK))
+            for n, (row, i, pg) in enumerate(entries[start_entry:start_entry + PAGE_CHUNK]):
+                payload["slots"][n], payload["index"][n], payload["pages"][n] = row, i, pg
+            runner.call(("pages", PAGE_CHUNK), payload)
+        key = ("decode", size)
+        inputs = builder.empty(key)
+        inputs["tokens"].fill(5)
+        inputs["positions"].fill(args.context - 1)
+        inputs["row_slots"][:] = np.arange(size)
+        inputs["remaining"].fill(10**6)
+        inputs["num_seqs"], inputs["num_steps"] = np.int32(size), np.int32(args.decode_steps)
+        jax.block_until_ready(runner.call(key, inputs))
         start = time.perf_counter()
         for _ in range(args.repeats):
-            out = engine.runner.run(bucket, inputs)
-        jax.block_until_ready((out, engine.runner.kv))
-        ms = 1e3 * (time.perf_counter() - start) / args.repeats
-        lines.append(f"{layout} decode {size:>5}: device-bound step {ms:7.2f} ms (context {args.context})")
+            out = runner.call(key, inputs)
+        jax.block_until_ready((out, runner.kv))
+        ms = 1e3 * (time.perf_counter() - start) / args.repeats / args.decode_steps
+        lines.append(f"{layout} decode {size:>5}: device-bound {ms:7.2f} ms per token (context {args.context}, "
+                     f"{args.decode_steps} per step)")
     if args.engine_requests:
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         rng = np.random.default_rng(0)
@@ -105,13 +116,12 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference", "cpu"])
     p.add_argument("--layouts", nargs="+", default=["sharded", "unsharded"], choices=["sharded", "unsharded"])
-    p.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
-                   help="scan over stacked weights, or one buffer per layer (see python -m jaxserve --help)")
     p.add_argument("--decode-buckets", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prefill-bucket", type=int, default=1024)
     p.add_argument("--context", type=int, default=1000, help="tokens of context per sequence")
     p.add_argument("--num-pages", type=int, default=6000)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device step")
     p.add_argument("--engine-requests", type=int, nargs="*", default=[1, 64],
                    help="concurrencies timed through Engine.step (none: skip)")
     args = p.parse_args()

@@ -79,7 +79,7 @@ def main() -> None:
 
     from benchmarks.engine import _prompts
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-    from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.engine.build import EngineConfig, build_engine
     from jaxserve.engine.request import SamplingParams
     from jaxserve.startup import load
     from jaxserve.structured import spec as S
@@ -92,11 +92,10 @@ def main() -> None:
     ready = load(ModelConfig(model=args.model, served_model_name="bench", dtype=args.dtype))
     c = args.concurrency
     max_len = args.input_len + args.output_len + 16
-    engine = Engine(ready.loaded.model, ready.tokenizer, EngineConfig(
+    engine = build_engine(ready.loaded.model, ready.tokenizer, EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=c * (-(-max_len // 16)) + 8),
         scheduler=SchedulerConfig(max_num_seqs=c, max_num_batched_tokens=max(256, args.input_len),
                                   max_prefill_seqs=4, max_model_len=max_len)))
-    engine.compile()
     vocabulary = token_vocabulary(ready.tokenizer.hf, sorted(engine.eos_ids))
     compiler = GrammarCompiler(vocabulary, ready.tokenizer.hf, workers=1, timeout_s=600)
     start = time.perf_counter()

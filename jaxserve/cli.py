@@ -116,11 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "built like the cpu attention kernel; it streams the weights for up to 32 rows at close to "
                    "the memory's rate, and leaves larger products (prefill) to XLA. auto = cpu for bfloat16 "
                    "models on such a CPU without tensor parallelism, else xla")
-    e.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
-                   help="how the steps run the layers: scan compiles one layer body (fast start-up) but XLA copies "
-                   "each layer's weights out of the stacked parameters on every step on CPUs and GPUs; unrolled "
-                   "keeps one weight buffer per layer and reads it in place, compiling every layer (5-10x the "
-                   "compile time). auto = scan, until unrolling has been timed on a GPU")
+    e.add_argument("--decode-steps", type=int, default=None, metavar="K",
+                   help="decode iterations one device step may run when the batch has nothing else to do (no "
+                   "waiting requests, no grammar-constrained rows): sampled tokens are fed back on the device and "
+                   "the host's work between steps is paid once per K tokens; streams then receive up to K tokens "
+                   "at a time. Rows end inside the loop on EOS, stop token ids and max tokens; stop strings are "
+                   "checked afterwards and the tokens after a match dropped. Default: 8 on GPUs and TPUs, 1 on "
+                   "the CPU")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
@@ -254,6 +256,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.decode_steps is not None and args.decode_steps < 1:
+        raise ConfigError(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.num_pages is not None and args.num_pages < 2:
         raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
     for flag in ("max_concurrent_requests", "max_request_bytes", "max_n", "structured_output_max_mib",
@@ -296,8 +300,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         attention_backend=args.attention_backend,
-        layer_loop=args.layer_loop,
         matmul_backend=args.matmul_backend,
+        decode_steps=args.decode_steps,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, distributed=distributed),
         server=ServerConfig(
             host=args.host,
@@ -337,7 +341,7 @@ def _follow(config: Config) -> int:
         log.error("%s", e)
         return 1
     log.info("following process 0 (ready in %.1fs)", timings["total"])
-    multihost.follow(engine.runner.channel, engine.runner.run)
+    multihost.follow(engine.runner.channel, engine.runner.call)
     return 0
 
 
@@ -379,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines.append(AsyncEngine(engine))
         srv = config.server
         return create_app(engines[0], engine.tokenizer, config.model.served_model_name,
-                          engine.config.scheduler.max_model_len, api_keys=srv.api_keys,
+                          engine.info.max_model_len, api_keys=srv.api_keys,
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
                           structured=srv.structured, warm_structured=True)

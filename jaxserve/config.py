@@ -44,6 +44,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # most prompt tokens in one prefill step (largest prefill bucket)
     max_prefill_seqs: int = 8  # most sequences sharing one prefill step
     max_model_len: int = 2048  # prompt + output limit per sequence
+    # Decode iterations one device step may run when the batch has nothing else to do (no
+    # arrivals, no grammar rows): the host round trip is paid once per that many tokens.
+    decode_steps: int = 1
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
 
@@ -99,5 +102,5 @@ class Config:
     scheduler: SchedulerConfig = SchedulerConfig()
     compilation_cache_dir: Path | None = None
     attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)
-    layer_loop: str = "auto"  # auto | scan | unrolled (jaxserve.engine.engine.resolve_layer_loop)
     matmul_backend: str = "auto"  # auto | xla | cpu (jaxserve.models.products.resolve_backend)
+    decode_steps: int | None = None  # None: auto (jaxserve.startup.resolve_decode_steps)

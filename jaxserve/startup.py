@@ -20,7 +20,7 @@ from jaxserve.weights import LoadedModel, load_model
 log = logging.getLogger("jaxserve")
 
 if TYPE_CHECKING:
-    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.core import Engine
 
 
 @dataclasses.dataclass
@@ -73,31 +73,48 @@ def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True) 
     return LoadedServing(loaded, tokenizer, max_len, time.perf_counter() - start)
 
 
-def start_engine(config: "Config") -> tuple["Engine", dict[str, float]]:
+def resolve_decode_steps(requested: int | None, platform: str | None = None) -> int:
+    """--decode-steps: the decode iterations one device step may run. auto (None): 8 on GPUs and
+    TPUs, where the host's work between steps (1.7 ms at batch 1, 5 ms at 64 on an H100) is a
+    large share of a step; 1 on the CPU, where the step itself takes tens of milliseconds and the
+    host's work runs beside it (benchmarks/RESULTS.md)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--decode-steps must be >= 1, got {requested}")
+        return requested
+    import jax
+
+    return 1 if (platform or jax.default_backend()) == "cpu" else 8
+
+
+def start_engine(config: "Config", default_max_model_len: int | None = None) -> tuple["Engine", dict[str, float]]:
     """Load the model, size the KV cache, and compile every step shape: everything before the
-    first request. Returns the engine and the seconds each phase took."""
+    first request. Returns the engine and the seconds each phase took. default_max_model_len
+    caps the model's own limit when --max-model-len is not given (jaxserve.LLM's 2048)."""
     from jaxserve.engine.attention import describe_backend, resolve_backend
-    from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.engine.build import EngineConfig, build_engine, compile_engine, enable_compilation_cache
     from jaxserve.models import products
 
     start = time.perf_counter()
+    if config.compilation_cache_dir is not None:
+        enable_compilation_cache(config.compilation_cache_dir)
     ready = load(config.model, config.parallel.tensor_parallel_size)
     log.info("model: %s", ready.summary())
-    scheduler = dataclasses.replace(config.scheduler, max_model_len=ready.max_model_len)
-    attention_backend = resolve_backend(config.attention_backend,
-                                        tensor_parallel=config.parallel.tensor_parallel_size)
+    max_model_len = ready.max_model_len
+    if config.model.max_model_len is None and default_max_model_len is not None:
+        max_model_len = min(max_model_len, default_max_model_len)
+    scheduler = dataclasses.replace(config.scheduler, max_model_len=max_model_len,
+                                    decode_steps=resolve_decode_steps(config.decode_steps))
+    tp = config.parallel.tensor_parallel_size
+    attention_backend = resolve_backend(config.attention_backend, tensor_parallel=tp)
     log.info("attention: %s", describe_backend(attention_backend))
-    matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype,
-                                              tensor_parallel=config.parallel.tensor_parallel_size)
+    matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
     log.info("products: %s", products.describe_backend(matmul_backend))
-    engine = Engine(
-        ready.loaded.model,
-        ready.tokenizer,
-        EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
-                     compilation_cache_dir=config.compilation_cache_dir, attention_backend=attention_backend,
-                     matmul_backend=matmul_backend, layer_loop=config.layer_loop),
-    )
+    log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
+    engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
+                                 attention_backend=attention_backend, matmul_backend=matmul_backend)
+    engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False)
     loaded = time.perf_counter()
-    engine.compile()
+    compile_engine(engine)
     done = time.perf_counter()
     return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}

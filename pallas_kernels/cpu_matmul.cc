@@ -1,6 +1,6 @@
 // Small-batch products for the CPU: out[M, N] = x[M, K] @ W in bfloat16 with float32 accumulation,
-// where W is a weight stored [K, N] (a Linear kernel) or [N, K] (an LM head tied to the embedding),
-// optionally one layer of a stacked [L, K, N] / [L, N, K] weight. One XLA FFI custom call, built on
+// where W is a weight stored [K, N] (a Linear kernel) or [N, K] (an LM head tied to the embedding).
+// One XLA FFI custom call, built on
 // first use by cpu_matmul.py (-march=native) and only used where the CPU has AVX512-BF16.
 //
 // Why it exists: a decode step multiplies a few rows (one per running sequence) by every weight of
@@ -37,7 +37,7 @@ namespace {
 
 struct Problem {
   const uint16_t* x;  // [M, K]
-  const uint16_t* w;  // this layer's [K, N] (or [N, K] when transposed)
+  const uint16_t* w;  // [K, N] (or [N, K] when transposed)
   uint16_t* out;      // [M, N]
   int64_t m, k, n;
   bool transposed;
@@ -252,17 +252,15 @@ void run_all(const Problem& p, Pool& pool) {
 
 #endif  // JAXSERVE_BF16_DOT
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                  bool transposed, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, bool transposed,
+                  ffi::Result<ffi::AnyBuffer> out) {
 #if JAXSERVE_BF16_DOT
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
       out->element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("cpu matmul: x, the weight and the output must be bfloat16");
-  if (xd.size() < 1 || (wd.size() != 2 && wd.size() != 3) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("cpu matmul: the weight must be 2-D or stacked 3-D, layer a scalar");
-  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
-  const int64_t rows = wd[wd.size() - 2], cols = wd[wd.size() - 1];
+  if (xd.size() < 1 || wd.size() != 2) return ffi::Error::InvalidArgument("cpu matmul: the weight must be 2-D");
+  const int64_t rows = wd[0], cols = wd[1];
   Problem p;
   p.transposed = transposed;
   p.k = xd[xd.size() - 1];
@@ -272,10 +270,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   for (size_t i = 0; i + 1 < xd.size(); ++i) p.m *= xd[i];
   if (static_cast<int64_t>(out->element_count()) != p.m * p.n)
     return ffi::Error::InvalidArgument("cpu matmul: the output must be [..., N]");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("cpu matmul: layer out of range");
   p.x = static_cast<const uint16_t*>(x.untyped_data());
-  p.w = static_cast<const uint16_t*>(w.untyped_data()) + l * rows * cols;
+  p.w = static_cast<const uint16_t*>(w.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
@@ -296,8 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [..., K]
-                                  .Arg<ffi::AnyBuffer>()  // weight [L?, K, N] or [L?, N, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // weight [K, N] or [N, K]
                                   .Attr<bool>("transposed")
                                   .Ret<ffi::AnyBuffer>());
 #endif

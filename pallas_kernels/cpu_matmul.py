@@ -1,6 +1,5 @@
 """Small-batch bfloat16 products on the CPU through a native kernel (`cpu_matmul.cc`, an XLA FFI
-custom call): `x @ w` for a Linear kernel w [K, N] and `x @ w.T` for an LM head w [N, K], either
-one weight or one layer of a stacked [L, ...] weight.
+custom call): `x @ w` for a Linear kernel w [K, N] and `x @ w.T` for an LM head w [N, K].
 
 A decode step multiplies a few rows by every weight of the model, so it streams the weights; XLA's
 bfloat16 dot does that at ~10 GB/s on two cores at 16 rows and ~1.4 GB/s at one row (see
@@ -69,39 +68,30 @@ def supports(x: jax.Array, w: jax.Array) -> bool:
             and available())
 
 
-def _layer_of(x: jax.Array, w: jax.Array, layer: jax.Array | int | None, k_axis: int) -> jax.Array | None:
-    """Checks the shapes (at trace time, for both paths) and returns the layer index clamped into
-    [0, L) -- for the kernel and the fallback alike, so both read the same layer -- or None for a
-    single weight."""
-    if w.ndim != (2 if layer is None else 3):
-        raise ValueError(f"weight of shape {w.shape} with layer={layer!r}: expected a 2-D weight, "
-                         "or a stacked 3-D one with a layer index")
+def _check_shapes(x: jax.Array, w: jax.Array, k_axis: int) -> None:
+    """Refuses, while tracing and for the kernel and the fallback alike, shapes that do not fit."""
+    if w.ndim != 2:
+        raise ValueError(f"weight of shape {w.shape}: expected a 2-D weight")
     if w.shape[k_axis] != x.shape[-1]:
         raise ValueError(f"x of shape {x.shape} and weight of shape {w.shape} disagree on K")
-    return None if layer is None else jnp.clip(jnp.asarray(layer, jnp.int32).reshape(()), 0, w.shape[0] - 1)
 
 
-def _call(x: jax.Array, w: jax.Array, layer: jax.Array | None, transposed: bool, n: int) -> jax.Array:
-    layer = jnp.zeros((), jnp.int32) if layer is None else layer
+def _call(x: jax.Array, w: jax.Array, transposed: bool, n: int) -> jax.Array:
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
-        x, w, layer, transposed=transposed)
+        x, w, transposed=transposed)
 
 
-def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] (or layer `layer` of w [L, K, N], clamped into [0, L)) -> [..., N], as
-    `x @ w` would give it."""
-    layer = _layer_of(x, w, layer, -2)
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N], as `x @ w` would give it."""
+    _check_shapes(x, w, 0)
     if not supports(x, w):
-        w = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return x @ w
-    return _call(x, w, layer, False, w.shape[-1])
+    return _call(x, w, False, w.shape[1])
 
 
-def matmul_transposed(x: jax.Array, w: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] @ w.T for w [N, K] (or layer `layer` of w [L, N, K], clamped into [0, L)) ->
-    [..., N], as the einsum would give it."""
-    layer = _layer_of(x, w, layer, -1)
+def matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w.T for w [N, K] -> [..., N], as the einsum would give it."""
+    _check_shapes(x, w, 1)
     if not supports(x, w):
-        w = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return jnp.einsum("...k,nk->...n", x, w)
-    return _call(x, w, layer, True, w.shape[-2])
+    return _call(x, w, True, w.shape[0])

@@ -53,13 +53,36 @@ def write_kv(
     offset = jnp.where(valid, slots % page_size, 0)
 
     def write(pages: jax.Array, new: jax.Array) -> jax.Array:
-        # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
-        return pages.at[layer, :, page, offset].set(new.astype(pages.dtype), mode="drop")
+        # TPU: with windows [kv_heads, head_dim] that are not contiguous in the cache, XLA:TPU
+        # scatters 1024 tokens or more by transposing the whole cache to [layers, pages, page_size,
+        # kv_heads, head_dim] and back: two copies of a 4 GiB cache per layer's prefill write, a
+        # 4 GiB temporary (v5e/v6e, libtpu 0.0.48; tests/tpu_aot). Scattering head_dim rows keeps
+        # every scattered dim major to the window, a plain row scatter done in place at any token
+        # count. XLA:CPU (the CPU serving path) is 2-4x slower on rows than on whole tokens, so the
+        # row form is for TPU only.
+        return jax.lax.platform_dependent(
+            pages, new.astype(pages.dtype), layer, page, offset, tpu=scatter_head_rows, default=scatter_tokens
+        )
 
     k_out, v_out = write(stacked, k_new), write(v_stacked, v_new)
     if len(k_pages.shape) == 4:
         return k_out[0], v_out[0]
     return k_out, v_out
+
+
+def scatter_tokens(pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:
+    """`new` [T, kv_heads, head_dim] into the stacked `pages` at (layer, page[t], offset[t]), one
+    [kv_heads, head_dim] window per token; out-of-range pages are dropped."""
+    # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
+    return pages.at[layer, :, page, offset].set(new, mode="drop")
+
+
+def scatter_head_rows(
+    pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array
+) -> jax.Array:
+    """What `scatter_tokens` does, as one head_dim row per (token, kv head): the TPU form."""
+    heads = jnp.arange(pages.shape[1], dtype=jnp.int32)[None, :]  # indices broadcast to [T, kv_heads]
+    return pages.at[layer, heads, page[:, None], offset[:, None]].set(new, mode="drop")
 
 
 def validate_write_inputs(

@@ -16,9 +16,10 @@ written token, so a step reads the pages it uses, not `max_pages_per_seq`. A pro
 are the kv head's `group` query heads, one matmul per block with an exact online softmax in float32.
 
 Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising, NaN-filled
-uninitialised memory), which is how CI tests it. Not yet run or timed on a TPU: block sizes
-(`pages_per_block`), megacore splitting and whether to prefetch the next program's first block (as
-jax's own kernel does) are for measurement there.
+uninitialised memory), which is how CI tests it; CI also compiles it with the real TPU compiler
+(Mosaic) for v5e and v6e at Llama-3 shapes (tests/tpu_aot). Not yet run or timed on a TPU: block
+sizes (`pages_per_block`), megacore splitting and whether to prefetch the next program's first
+block (as jax's own kernel does) are for measurement there.
 """
 
 from __future__ import annotations
@@ -61,6 +62,41 @@ def block_page_tables(page_tables: jax.Array, page_size: int, pages_per_block: i
     padded_pages = -(-max_pages // pages_per_block) * pages_per_block
     page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
     return page_tables, pages_per_block, padded_pages
+
+
+def page_walk_cost(
+    *,
+    walks: int,
+    rows: int,
+    pages: int,
+    kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    kv_itemsize: int,
+    softcap: float | None,
+    other_bytes: int,
+) -> pl.CostEstimate:
+    """The worst-case cost of a kernel whose programs walk page-table rows, for XLA's cost model.
+
+    `walks` page-table rows (decode: one per sequence; ragged: one per work item), each walked by
+    every kv head with `rows` query rows (decode: the head's group; ragged: q_block * group) over
+    `pages` pages of K and of V. Which pages a row actually reads depends on the lengths and the
+    window, unknown at compile time, so this is the worst case the shapes allow: every page-table
+    entry (padded to whole blocks, since a block's DMAs move all of its pages) of every row read
+    once, plus `other_bytes` (q, the output, the scalar-prefetched tables). Without an estimate XLA
+    counts a Mosaic call as free, and a step's cost_analysis() would miss the KV reads that dominate it.
+    """
+    keys = walks * pages * page_size  # per kv head
+    logits = kv_heads * keys * rows
+    return pl.CostEstimate(
+        flops=4 * logits * head_dim,  # q.k and p.v, a multiply and an add each
+        transcendentals=logits * (2 if softcap is not None else 1),  # exp (+ tanh)
+        bytes_accessed=2 * kv_heads * keys * head_dim * kv_itemsize + other_bytes,
+    )
+
+
+def nbytes(*arrays: jax.Array) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in arrays)
 
 
 def attend_page_blocks(
@@ -221,6 +257,18 @@ def paged_decode_attention_tpu(
 
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, *_: (b, h, 0, 0))
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    lengths = lengths.astype(jnp.int32)
+    cost = page_walk_cost(
+        walks=batch,
+        rows=group,
+        pages=padded_pages,
+        kv_heads=kv_heads,
+        page_size=page_size,
+        head_dim=head_dim,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        softcap=softcap,
+        other_bytes=2 * nbytes(q) + nbytes(lengths, page_tables),  # q in, out (q's shape and dtype)
+    )
     out = pl.pallas_call(
         functools.partial(
             _decode_kernel,
@@ -238,10 +286,11 @@ def paged_decode_attention_tpu(
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxserve_paged_decode_tpu",
     )(
-        lengths.astype(jnp.int32),
+        lengths,
         page_tables.reshape(-1),
         jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer]),
         q.reshape(batch, kv_heads, group, head_dim),

@@ -10,9 +10,9 @@ place. Every DMA indexes whole refs (`.at[...]`), never reshaped refs; the resha
 values. The block loop itself is `tpu_paged_attention.attend_page_blocks`,
 shared with the decode kernel. Outputs go to a per-item block and are read back per token.
 
-Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising); never run or
-timed on a TPU, where block sizes and layout (e.g. head_dim/lanes, q_block * heads/sublanes) need
-measuring.
+Correct in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads raising) and compiled
+by the real TPU compiler for v5e and v6e in CI (tests/tpu_aot); never run or timed on a TPU, where
+block sizes and layout (e.g. head_dim/lanes, q_block * heads/sublanes) need measuring.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import dot_precision, stacked_cache
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
-from pallas_kernels.tpu_paged_attention import attend_page_blocks, block_page_tables, default_interpret_params
+from pallas_kernels.tpu_paged_attention import (
+    attend_page_blocks,
+    block_page_tables,
+    default_interpret_params,
+    nbytes,
+    page_walk_cost,
+)
 
 _META = 4  # per item: first token, first row within the sequence, q_len, kv_len
 
@@ -143,6 +149,20 @@ def ragged_paged_attention_tpu(
         interpret = default_interpret_params()
 
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    # Worst case: every item walks its whole (padded) page-table row; each item's q block is read
+    # once and its output block written once.
+    cost = page_walk_cost(
+        walks=num_items,
+        rows=tq * group,
+        pages=padded_pages,
+        kv_heads=kv_heads,
+        page_size=page_size,
+        head_dim=head_dim,
+        kv_itemsize=jnp.dtype(k_pages.dtype).itemsize,
+        softcap=softcap,
+        other_bytes=2 * num_items * tq * q_heads * head_dim * jnp.dtype(q.dtype).itemsize
+        + nbytes(meta, item_pages),
+    )
     out = pl.pallas_call(
         functools.partial(
             _ragged_kernel,
@@ -166,6 +186,7 @@ def ragged_paged_attention_tpu(
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * group, head_dim), q.dtype),
+        cost_estimate=cost,
         interpret=interpret,
         name="jaxserve_ragged_paged_attention_tpu",
     )(

@@ -1,4 +1,5 @@
 import os
+import sys
 
 # Tests run on the CPU in float32 with exact matmuls, whatever machine they run on.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -9,8 +10,19 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One jaxserve cache (converted tokenizers, weights) shared by the whole test run."""
+    """One jaxserve cache (converted tokenizers, weights, compiled steps) shared by the whole test run."""
     return tmp_path_factory.mktemp("jaxserve-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(cache_dir):
+    """JAX's persistent compilation cache for the run, as the server enables it: tests that build
+    the same step shapes read them back instead of compiling them again. A run of host-only tests
+    (tests/unit) never imports jax, so it is left alone then."""
+    if "jax" in sys.modules:
+        from jaxserve.engine.build import enable_compilation_cache
+
+        enable_compilation_cache(cache_dir / "xla")
 
 
 @pytest.fixture(scope="session")

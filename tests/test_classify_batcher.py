@@ -19,7 +19,7 @@ from jaxserve.engine.classify_batcher import (
     classify_buckets,
     probabilities,
 )
-from jaxserve.engine.request import InvalidRequestError, RequestTooLongError
+from jaxserve.errors import InvalidRequestError, RequestTooLongError
 
 LAST = PackingSpec("last", pad_token_id=0)
 

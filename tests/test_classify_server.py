@@ -229,7 +229,7 @@ def test_a_generation_server_refuses_classify(tmp_path):
     """The generation app (a real, uncompiled engine: refusing runs no step) says why."""
     from jaxserve.config import CacheConfig, SchedulerConfig
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.engine import Engine, EngineConfig
+    from jaxserve.engine.build import EngineConfig, build_engine
     from jaxserve.server.app import create_app
     from jaxserve.tokenizer import load_tokenizer
     from jaxserve.weights import load_model
@@ -241,7 +241,8 @@ def test_a_generation_server_refuses_classify(tmp_path):
     config = EngineConfig(cache=CacheConfig(page_size=16, num_pages=8),
                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=16, max_prefill_seqs=1,
                                                     max_model_len=64))
-    engine = AsyncEngine(Engine(load_model(tmp_path, "float32", use_cache=False).model, tokenizer, config))
+    engine = AsyncEngine(build_engine(load_model(tmp_path, "float32", use_cache=False).model, tokenizer, config,
+                                      compile=False))
     try:
         app = create_app(engine, tokenizer, "tiny-lm", 64)
 

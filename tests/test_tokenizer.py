@@ -77,7 +77,7 @@ sys.modules["torch"] = None  # any import of torch now raises ImportError
 from pathlib import Path
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
-import jaxserve.engine.engine, jaxserve.server.app, jaxserve.cli
+import jaxserve.engine.build, jaxserve.server.app, jaxserve.cli
 tok = load_tokenizer(Path({str(smollm2_dir())!r}), {GGUF_NAME!r}, cache_dir=Path({str(tmp_path)!r}))
 assert tok.eos_token_id == 2 and tok.encode("Hello") == [19556]
 load_model(Path({str(smollm2_dir())!r}) / {GGUF_NAME!r}, "float32", use_cache=False)

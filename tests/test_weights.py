@@ -105,11 +105,12 @@ def test_gguf_quant_types_dequantize(tiny_llama, tmp_path, qtype, tol):
     _write_llama_gguf(path, hf_dir, config, qtype)
     loaded = load_model(path, "float32", use_cache=False).model
     original = load_model(hf_dir, "float32", use_cache=False).model
-    for name in ("q_proj", "k_proj", "o_proj"):
-        got = np.asarray(getattr(loaded.layers.self_attn, name).kernel[...])
-        want = np.asarray(getattr(original.layers.self_attn, name).kernel[...])
-        err = np.abs(got - want).max()
-        assert err <= tol * np.abs(want).max(), (name, err)
+    for layer, (got_layer, want_layer) in enumerate(zip(loaded.layers, original.layers)):
+        for name in ("q_proj", "k_proj", "o_proj"):
+            got = np.asarray(getattr(got_layer.self_attn, name).kernel[...])
+            want = np.asarray(getattr(want_layer.self_attn, name).kernel[...])
+            err = np.abs(got - want).max()
+            assert err <= tol * np.abs(want).max(), (layer, name, err)
 
 
 def _kquant_gguf(path, qtype: Q, blocks: np.ndarray, rows: int) -> None:

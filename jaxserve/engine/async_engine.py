@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from jaxserve.engine.engine import Engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.engine_thread import EngineDeadError, EngineThread, log, post
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
@@ -63,6 +64,23 @@ class AsyncEngine(EngineThread):
     def num_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    @property
+    def stats(self) -> Stats:
+        """The engine's latest snapshot (published by the engine thread after every step)."""
+        return self.engine.stats
+
+    def abort_all(self) -> None:
+        """End every request now (they finish with finish_reason "abort")."""
+        with self._lock:
+            if self._closed:
+                return
+            self._commands.put(("abort_all",))
+        self._wake.set()
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _tick(self) -> bool:
         if not self.engine.has_unfinished():
@@ -85,6 +103,9 @@ class AsyncEngine(EngineThread):
             out = self.engine.abort(command[1])
             if out is not None:
                 self._post(command[1], out, last=True)
+        elif command[0] == "abort_all":
+            for out in self.engine.abort_all():
+                self._post(out.request_id, out, last=True)
 
     def _fail(self, error: EngineDeadError) -> None:
         for request_id in list(self._streams):

@@ -1,9 +1,9 @@
 """The decoder's attention over the paged KV cache: write the step's new K/V, then attend.
 
-Returns an `AttentionFn` for `Decoder.hidden_states`; the whole KVCache ([layers, kv_heads, pages,
-page_size, head_dim] per K and V) is carried through the layer scan, and both the write and the
-attention take the layer index and touch only that layer's pages in place: slicing a layer out
-would make XLA copy the layer's entire cache on every layer of every step.
+`PagedAttention` is an `AttentionFn` for `Decoder.hidden_states`; the whole KVCache ([layers,
+kv_heads, pages, page_size, head_dim] per K and V) is carried through the layers, and both the
+write and the attention take the layer index and touch only that layer's pages in place: slicing
+a layer out would make XLA copy the layer's entire cache on every layer of every step.
 
 Backends (`--attention-backend`): "reference" is the pure-jnp attention; "pallas_gpu" /
 "pallas_tpu" are the Pallas kernels of `pallas_kernels`; "cpu" is the native CPU kernel
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
-
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 import pallas_kernels
 from jaxserve.engine.kv_cache import KVCache
-from jaxserve.models.decoder import AttentionFn
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -103,59 +101,65 @@ def write_layer(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, sl
     return KVCache(new_k, new_v)
 
 
-def decode_only(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
-    """Whether every live sequence of a ragged batch has exactly one new token (then token i is
-    sequence i's, and the decode kernel computes the same thing as the ragged one)."""
-    live = jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    return jnp.all(jnp.where(live, q_lens == 1, True)) & (cu_q_lens[0] == 0)
+@struct.dataclass
+class PagedAttention:
+    """The step's attention over the paged cache (an `AttentionFn`): write the layer's new K/V,
+    then attend. A decode step (one token per sequence, `decode`) takes the backend's decode
+    kernel, which splits long contexts over more programs; any other step its ragged attention.
+    The engine compiles decode and prefill steps separately, so the choice is static."""
+
+    slots: jax.Array  # [T] int32 flat KV slot of each new token, -1 for padding
+    page_tables: jax.Array  # [S, max_pages_per_seq] int32
+    cu_q_lens: jax.Array  # [S + 1] int32
+    kv_lens: jax.Array  # [S] int32, including this step's tokens
+    num_seqs: jax.Array  # [] int32
+    scale: float = struct.field(pytree_node=False)
+    softcap: float | None = struct.field(pytree_node=False)
+    backend: str = struct.field(pytree_node=False)
+    decode: bool = struct.field(pytree_node=False)
+    # Tensor parallelism: the cache's own sharding, pinned after every layer. Left free, GSPMD may
+    # re-split a replicated cache inside the layers (to follow the q heads) and all-gather the
+    # whole cache back after them: a full-cache collective on every step.
+    cache_sharding: jax.sharding.Sharding | None = struct.field(pytree_node=False, default=None)
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, window: jax.Array,
+                 layer: jax.Array) -> tuple[jax.Array, KVCache]:
+        # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
+        cache = write_layer(cache, layer, k[0], v[0], self.slots)
+        common = dict(scale=self.scale, softcap=self.softcap, window=window, layer=layer)
+        if self.backend == "reference":
+            # The reference reads keys in chunks with a traced trip count that stops at the longest live
+            # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
+            common["chunk_pages"] = max(1, 128 // cache.page_size)
+        if self.decode:
+            # Padding rows get length 0, which the kernels answer with zeros.
+            lengths = jnp.where(jnp.arange(self.kv_lens.shape[0]) < self.num_seqs, self.kv_lens, 0)
+            out = pallas_kernels.get_decode_attention(self.backend)(
+                q[0], cache.k, cache.v, self.page_tables, lengths, **common)
+        else:
+            out = pallas_kernels.get_ragged_attention(self.backend)(
+                q[0], cache.k, cache.v, self.page_tables, self.cu_q_lens, self.kv_lens, self.num_seqs, **common)
+        if self.cache_sharding is not None:
+            cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+        return out[None], cache
 
 
-def paged_attend(
-    slots: jax.Array,  # [T] int32 flat KV slot of each new token, -1 for padding
-    page_tables: jax.Array,  # [S, max_pages_per_seq] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    kv_lens: jax.Array,  # [S] int32, including this step's tokens
-    num_seqs: jax.Array,  # [] int32
+def paged_attention(
+    slots: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
     *,
     scale: float,
     softcap: float | None,
-    page_size: int,
     backend: str = "reference",
-) -> AttentionFn:
-    """The step's attention: every bucket goes through the ragged attention of `backend`; with a
-    Pallas backend, a bucket shaped like decode (tokens == seqs) takes the decode kernel (which
-    splits long contexts over more programs) whenever the batch really is one token per sequence."""
+    decode: bool = False,
+    cache_sharding: jax.sharding.Sharding | None = None,
+) -> PagedAttention:
+    """A `PagedAttention` for `backend` (resolved; warns once when its kernels would be interpreted)."""
     backend = resolve_backend(backend)
     if is_interpreted(backend):
         _warn_interpreted(backend, jax.default_backend())
-    ragged = pallas_kernels.get_ragged_attention(backend)
-    options: dict[str, Any] = {}
-    if backend == "reference":
-        # The reference reads keys in chunks with a traced trip count that stops at the longest live
-        # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
-        options["chunk_pages"] = max(1, 128 // page_size)
-    # A prefill bucket can have tokens == seqs too (e.g. 16 tokens, 16 seqs), so the shape alone does
-    # not prove decode; the check is one cond per layer on a few ints. The reference takes the decode
-    # path too: it skips the ragged work-item planning and the two row gathers around it, which cost
-    # as much as the attention itself in a CPU decode step.
-    decode_shaped = slots.shape[0] == page_tables.shape[0]
-    decode = pallas_kernels.get_decode_attention(backend) if decode_shaped else None
-    use_decode = decode_only(cu_q_lens, num_seqs)
-    lengths = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs, kv_lens, 0)  # padding rows: 0 -> zeros
-
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, window: jax.Array, layer: jax.Array):
-        # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
-        cache = write_layer(cache, layer, k[0], v[0], slots)
-        common = dict(scale=scale, softcap=softcap, window=window, layer=layer)
-
-        def ragged_step() -> jax.Array:
-            return ragged(q[0], cache.k, cache.v, page_tables, cu_q_lens, kv_lens, num_seqs, **common, **options)
-
-        def decode_step() -> jax.Array:
-            return decode(q[0], cache.k, cache.v, page_tables, lengths, **common, **options)
-
-        out = ragged_step() if decode is None else jax.lax.cond(use_decode, decode_step, ragged_step)
-        return out[None], cache
-
-    return attend
+    return PagedAttention(slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=scale, softcap=softcap,
+                          backend=backend, decode=decode, cache_sharding=cache_sharding)

@@ -32,8 +32,8 @@ from jaxserve.engine.classify_batcher import (
     PackingSpec,
     classify_buckets,
 )
-from jaxserve.engine.engine import enable_compilation_cache
-from jaxserve.engine.request import InvalidRequestError
+from jaxserve.engine.build import enable_compilation_cache
+from jaxserve.errors import InvalidRequestError
 from jaxserve.models.bert import EncoderConfig
 from jaxserve.models.classifier import Classifier, ClassifierConfig
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxserve.engine.buckets import MIN_PREFILL_BUCKET, powers_of_two
-from jaxserve.engine.request import InvalidRequestError, RequestTooLongError
+from jaxserve.errors import InvalidRequestError, RequestTooLongError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,20 +12,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from jaxserve.structured.matcher import Grammar, Matcher
-
-
-class InvalidRequestError(ValueError):
-    """A request parameter is out of range. `param` names it; the message gives the limit."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-class RequestTooLongError(InvalidRequestError):
-    """The request can never fit (context length or the whole KV cache)."""
 
 
 MAX_TOP_LOGPROBS = 20
@@ -167,6 +157,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop id or string that matched
     cumulative_logprob: float = 0.0
     matcher: "Matcher | None" = None  # this sample's walk through params.grammar
+    slot: int | None = None  # its row of the device batch while running (the scheduler's)
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +178,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def has_dynamic_bans(self) -> bool:
+        """Whether it has multi-token bad words: what they ban depends on its last tokens."""
+        return any(len(w) > 1 for w in self.params.bad_words_ids or ())
+
+    @property
+    def runs_unattended(self) -> bool:
+        """Whether the device can sample several tokens in a row for it with no host check in
+        between: no grammar (its mask changes with every token) and no dynamic bans. Stop
+        strings are checked afterwards."""
+        return self.matcher is None and not self.has_dynamic_bans
 
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.arrival, self.seq_id)

@@ -1,12 +1,16 @@
-"""ModelRunner: the only owner of device arrays. It compiles one jitted step per bucket ahead of
-time and runs a scheduler's plan through it.
+"""ModelRunner: the only owner of device arrays (the weights, the KV cache and the persistent device
+batch). It compiles one program per command shape ahead of time (jaxserve.engine.step_inputs) and
+runs a step's commands through them.
 
-One step function serves prefill and decode: the scheduled tokens of up to `max_seqs`
-sequences, concatenated ([tokens] ragged, padded to the bucket), attend over the paged cache
-through the ragged paged-attention interface. A decode bucket is `tokens == max_seqs == B`
-(one token per sequence); a prefill bucket is T tokens from up to `max_prefill_seqs` chunks.
-The step writes the new K/V into the (donated) cache, samples one token per sequence from the
-logits at its last scheduled token, and returns only the sampled ids and logprobs.
+Steps. A prefill step takes the scheduled tokens of up to S chunks, concatenated ([T] ragged,
+padded to the bucket), attends over the paged cache through the ragged attention, and samples one
+token per chunk from the logits at its last token. A decode step runs up to `decode_steps`
+iterations of one token per row inside one `lax.while_loop`, feeding each sampled token back on
+the device; a row stops inside the loop when it samples an end id past min_tokens or reaches its
+length, and the loop stops when every row has or the host's iteration count is done. Both write
+the new K/V into the donated cache, read sampling parameters from the device batch through each
+row's slot, count the sampled tokens there for the penalties, and return only the sampled ids and
+logprobs.
 """
 
 from __future__ import annotations
@@ -18,43 +22,26 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+from flax import nnx, struct
 from tqdm import tqdm
 
-from jaxserve.engine import attention
+from jaxserve.engine import attention, device_batch
+from jaxserve.engine.device_batch import DeviceBatch
 from jaxserve.engine.kv_cache import KVCache
-from jaxserve.engine.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
+from jaxserve.engine.request import MAX_TOP_LOGPROBS
+from jaxserve.engine.sampler import SampleOutput, sample, token_logprobs
+from jaxserve.engine.step_inputs import Key, Payload, StepCommands
 from jaxserve.models import products
-from jaxserve.models.decoder import AttentionFn, Decoder
+from jaxserve.models.decoder import Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
-from jaxserve.parallel.multihost import is_leader
+from jaxserve.parallel.multihost import is_leader, to_host
 
 log = logging.getLogger("jaxserve.engine")
 
 PROMPT_LOGPROBS_CHUNK = 128  # rows of prompt logprobs computed at a time (bounds the step's scratch memory)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepInputs:
-    """Host-built inputs of one step; every shape is fixed by the bucket (tokens T, seqs S)."""
-
-    tokens: jax.Array  # [T] int32
-    positions: jax.Array  # [T] int32
-    slots: jax.Array  # [T] int32 flat KV slot (page * page_size + offset), -1 for padding
-    page_tables: jax.Array  # [S, max_pages_per_seq] int32
-    cu_q_lens: jax.Array  # [S + 1] int32
-    kv_lens: jax.Array  # [S] int32, KV length after this step
-    num_seqs: jax.Array  # [] int32
-    sample_rows: jax.Array  # [S] int32: the token whose logits sample each sequence's next token
-    sampling: SamplingBatch  # [S] rows
-    prompt_targets: jax.Array  # [T] int32: the next prompt token, whose logprob this row reports (-1: none)
-    prompt_top_n: jax.Array  # [T] int32: top-N prompt logprobs wanted at this row (0: only the target)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class PromptLogprobs:
     """Per scheduled token: logprob of the following prompt token and the top-N alternatives."""
 
@@ -63,11 +50,14 @@ class PromptLogprobs:
     top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] float32
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    kind: str  # "prefill" | "decode"
-    tokens: int
-    seqs: int
+@struct.dataclass
+class StepOutput:
+    """What a step returns to the host: for each of its K iterations (1 for prefill) and rows, the
+    sampled token and logprobs, and how many iterations each row ran."""
+
+    sample: SampleOutput  # leaves [K, S, ...]
+    num_sampled: jax.Array  # [S] int32
+    prompt: PromptLogprobs | None = None  # prefill steps
 
 
 class ModelRunner:
@@ -77,18 +67,22 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         max_pages_per_seq: int,
+        num_slots: int,
         *,
         kv_dtype: Any = None,
         attention_backend: str = "reference",
         matmul_backend: str = "xla",
-        sampling_shape: Callable[[int], SamplingBatch] | None = None,
+        decode_steps: int = 1,
     ):
         self.cfg = decoder.cfg
-        self.graphdef, self.params = nnx.split(decoder)
+        self.graphdef, params = nnx.split(decoder)
+        # The weights' types pick their products (jaxserve.models.products).
+        self.params = products.place(params, matmul_backend, decoder.head_path)
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
+        self.num_slots = num_slots
+        self.decode_steps = decode_steps
         self.attention_backend = attention_backend
-        self.products = products.for_backend(matmul_backend)
         cpu = jax.devices()[0].platform == "cpu"
         # XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about
         # 10x slower than the same product with two rows (which goes to the matmul library), so on
@@ -97,122 +91,233 @@ class ModelRunner:
         # one row at the memory's rate.)
         native = matmul_backend == "cpu" and cpu and _native_products_available()
         self.min_rows = 2 if cpu and not native and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
-        self._sampling_shape = sampling_shape
-        self._compiled: dict[Bucket, Any] = {}
-        # Multi-host: the leader sends each step here before running it (set by the Engine).
+        self._programs: dict[Key, Any] = {}
+        # Multi-host: the leader sends each command here before running it (set by the builder).
         self.channel: Any = None
         # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
         # step; weights on one device mean the plain single-device step.
         self.mesh = mesh_of(self.params)
         self._kv_sharding: jax.sharding.Sharding | None = None
         kv_dtype = kv_dtype or decoder.dtype
-        if self.mesh is None:
-            self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype)
-            self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-            return
-        plan = ShardingPlan(self.mesh, self.cfg)
-        kv_sharding, replicated = plan.kv_cache(), plan.replicated()
-        self._kv_sharding = kv_sharding
-        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype, kv_sharding)
-        # GSPMD partitions the step from these annotations (and inserts the collectives); the host
-        # inputs and the sampled tokens are replicated, so every device agrees on every token.
-        params_sharding = jax.tree_util.tree_map(lambda a: a.sharding, self.params)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
-                             in_shardings=(params_sharding, kv_sharding, replicated),
-                             out_shardings=(kv_sharding, replicated, replicated))
+        replicated = None
+        if self.mesh is not None:
+            plan = ShardingPlan(self.mesh, self.cfg)
+            self._kv_sharding, replicated = plan.kv_cache(), plan.replicated()
+        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype, self._kv_sharding)
+        self.batch = device_batch.create_batch(num_slots, self.cfg.vocab_size, max_pages_per_seq, replicated)
+        self._jitted = self._jit(replicated)
 
-    # ---- the jitted step ----------------------------------------------------------------------
-    def _step_fn(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
-        with products.use(self.products):  # read while tracing: the compiled step keeps it
-            return self._step_body(params, kv, inp)
+    # ---- the programs -----------------------------------------------------------------------------
+    def _jit(self, replicated: jax.sharding.Sharding | None) -> dict[str, Any]:
+        """One jitted function per command kind. Under a mesh GSPMD partitions the steps from these
+        annotations (and inserts the collectives); the device batch, the host inputs and the
+        sampled tokens are replicated, so every device agrees on every token."""
+        step_shardings: dict[str, Any] = {}
+        update_shardings: dict[str, Any] = {}
+        if self.mesh is not None:
+            params = jax.tree_util.tree_map(lambda a: a.sharding, self.params)
+            step_shardings = dict(in_shardings=(params, self._kv_sharding, replicated, replicated),
+                                  out_shardings=(self._kv_sharding, replicated, replicated))
+            update_shardings = dict(in_shardings=(replicated, replicated), out_shardings=replicated)
+        updates = {
+            "rows": lambda b, p: device_batch.set_rows(b, p["slots"], {k: v for k, v in p.items() if k != "slots"}),
+            "tokens": lambda b, p: device_batch.add_tokens(b, p["slots"], p["ids"], p["prompt"]),
+            "pages": lambda b, p: device_batch.set_pages(b, p["slots"], p["index"], p["pages"]),
+            "masks": lambda b, p: device_batch.set_masks(b, p["slots"], p["masks"]),
+            "bans": lambda b, p: device_batch.set_bans(b, p["slots"], p["ids"]),
+        }
+        jitted = {kind: jax.jit(fn, donate_argnums=(0,), **update_shardings) for kind, fn in updates.items()}
+        jitted["prefill"] = jax.jit(self._prefill_fn, donate_argnums=(1, 2), **step_shardings)
+        jitted["decode"] = jax.jit(self._decode_fn, donate_argnums=(1, 2), **step_shardings)
+        return jitted
 
-    def _step_body(self, params: nnx.State, kv: KVCache, inp: StepInputs) -> tuple[KVCache, SampleOutput, PromptLogprobs]:
-        model: Decoder = nnx.merge(self.graphdef, params)
-        tokens, positions, slots, t = inp.tokens, inp.positions, inp.slots, inp.tokens.shape[0]
+    def _forward(self, model: Decoder, kv: KVCache, tokens: jax.Array, positions: jax.Array, kv_slots: jax.Array,
+                 page_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
+                 decode: bool) -> tuple[jax.Array, KVCache]:
+        """The model over one row of [t] tokens attending through the paged cache: hidden [t, H]."""
+        t = tokens.shape[0]
         if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens
             pad = self.min_rows - t
-            tokens, positions, slots = jnp.pad(tokens, (0, pad)), jnp.pad(positions, (0, pad)), jnp.pad(
-                slots, (0, pad), constant_values=-1)
-        attend = attention.paged_attend(
-            slots, inp.page_tables, inp.cu_q_lens, inp.kv_lens, inp.num_seqs,
-            scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap, page_size=self.page_size,
-            backend=self.attention_backend,
+            tokens, positions = jnp.pad(tokens, (0, pad)), jnp.pad(positions, (0, pad))
+            kv_slots = jnp.pad(kv_slots, (0, pad), constant_values=-1)
+        attend = attention.paged_attention(
+            kv_slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=self.cfg.scale,
+            softcap=self.cfg.attn_logit_softcap, backend=self.attention_backend,
+            # A padded one-token step (min_rows) has more tokens than sequences: the ragged kernel's.
+            decode=decode and tokens.shape[0] == page_tables.shape[0], cache_sharding=self._kv_sharding,
         )
-        if self._kv_sharding is not None:
-            attend = _keep_cache_layout(attend, self._kv_sharding)
         hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv)
-        hidden = hidden[:, :t]
-        rows = hidden[0, inp.sample_rows]  # [S, hidden]
+        return hidden[0, :t], kv
+
+    def _logits(self, model: Decoder, rows: jax.Array) -> jax.Array:
         s = rows.shape[0]
         if s < self.min_rows:
             rows = jnp.pad(rows, ((0, self.min_rows - s), (0, 0)))
-        logits = model.logits(rows)[:s]  # [S, vocab] float32
-        return kv, sample(logits, inp.sampling), self._prompt_logprobs(model, hidden[0], inp)
+        return model.logits(rows)[:s]  # [S, vocab] float32
 
-    @staticmethod
-    def _prompt_logprobs(model: Decoder, hidden: jax.Array, inp: StepInputs) -> PromptLogprobs:
-        """Logits for every scheduled token cost [tokens x vocab]; the cond computes them only in
-        steps where some prompt asked for logprobs (echo, logprob_start_len), so other steps pay
-        nothing and no separate program has to be compiled. They are computed in chunks of rows:
-        XLA reserves a program's scratch memory for both branches of a cond on every run, and a
-        2048-token step over a 128k vocabulary would otherwise hold ~6 GB of logits and top-k
-        scratch that the KV cache could use."""
-        wanted = inp.prompt_targets >= 0
-        t = hidden.shape[0]
-        chunk = max(c for c in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % c == 0)
+    def _prefill_fn(self, params: nnx.State, kv: KVCache, batch: DeviceBatch,
+                    inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
+        model: Decoder = nnx.merge(self.graphdef, params)
+        batch = _page_updates(batch, inp)
+        t, s = inp["tokens"].shape[0], inp["row_slots"].shape[0]
+        cu = inp["cu_q_lens"]
+        token_row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(t), side="right"), s - 1)
+        valid = jnp.arange(t) < cu[inp["num_seqs"]]
+        row_slots = inp["row_slots"]
+        kv_slots = device_batch.page_slots(batch, row_slots[token_row], inp["positions"], valid, self.page_size)
+        hidden, kv = self._forward(model, kv, inp["tokens"], inp["positions"], kv_slots,
+                                   batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False)
+        sampled = sample(self._logits(model, hidden[inp["sample_rows"]]),
+                         device_batch.sampling_rows(batch, row_slots, inp["steps"]))
+        samples = inp["samples"] & (jnp.arange(s) < inp["num_seqs"])
+        batch = device_batch.record_tokens(batch, row_slots, sampled.token, samples)
+        prompt = _prompt_logprobs(model, hidden, inp["prompt_targets"], inp["prompt_top_n"])
+        out = StepOutput(jax.tree_util.tree_map(lambda a: a[None], sampled), samples.astype(jnp.int32), prompt)
+        return kv, batch, out
 
-        def compute() -> PromptLogprobs:
-            def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-                h, target, top_n = args
-                return token_logprobs(model.logits(h), target, top_n)
+    def _decode_fn(self, params: nnx.State, kv: KVCache, batch: DeviceBatch,
+                   inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
+        model: Decoder = nnx.merge(self.graphdef, params)
+        batch = _page_updates(batch, inp)
+        s = inp["tokens"].shape[0]
+        row_slots, remaining = inp["row_slots"], inp["remaining"]
+        page_tables = batch.page_tables[row_slots]
+        cu = jnp.arange(s + 1, dtype=jnp.int32)
+        k = self.decode_steps
+        empty = SampleOutput(
+            token=jnp.zeros((k, s), jnp.int32), logprob=jnp.zeros((k, s), jnp.float32),
+            top_ids=jnp.full((k, s, MAX_TOP_LOGPROBS), -1, jnp.int32),
+            top_logprobs=jnp.full((k, s, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
 
-            split = lambda a: a.reshape(t // chunk, chunk, *a.shape[1:])  # noqa: E731
-            lp, ids, top = jax.lax.map(rows, (split(hidden), split(jnp.maximum(inp.prompt_targets, 0)),
-                                              split(jnp.where(wanted, inp.prompt_top_n, -1))))
-            return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1))
+        def body(carry: tuple) -> tuple:
+            j, kv, batch, tokens, positions, steps, active, outs, num_sampled = carry
+            kv_slots = device_batch.page_slots(batch, row_slots, positions, active, self.page_size)
+            lengths = jnp.where(active, positions + 1, 0)
+            hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, page_tables, cu, lengths,
+                                       inp["num_seqs"], True)
+            sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, row_slots, steps))
+            batch = device_batch.record_tokens(batch, row_slots, sampled.token, active)
+            ended = device_batch.ends_row(batch, row_slots, steps, sampled.token) | (j + 1 >= remaining)
+            outs = jax.tree_util.tree_map(lambda buf, new: buf.at[j].set(new), outs, sampled)
+            num_sampled = num_sampled + active.astype(jnp.int32)
+            return (j + 1, kv, batch, sampled.token, positions + 1, steps + 1, active & ~ended, outs, num_sampled)
 
-        def skip() -> PromptLogprobs:
-            t = inp.prompt_targets.shape[0]
-            return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.full((t, MAX_TOP_LOGPROBS), -1, jnp.int32),
-                                  jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
+        def more(carry: tuple) -> jax.Array:
+            j, active = carry[0], carry[6]
+            return (j < jnp.minimum(inp["num_steps"], k)) & jnp.any(active)
 
-        return jax.lax.cond(jnp.any(wanted), compute, skip)
+        active = jnp.arange(s) < inp["num_seqs"]
+        carry = (jnp.int32(0), kv, batch, inp["tokens"], inp["positions"], inp["steps"], active, empty,
+                 jnp.zeros(s, jnp.int32))
+        if k == 1:  # one iteration: no loop around the model
+            carry = body(carry)
+        else:
+            carry = jax.lax.while_loop(more, body, carry)
+        _, kv, batch, _, _, _, _, outs, num_sampled = carry
+        return kv, batch, StepOutput(outs, num_sampled)
 
-    # ---- ahead-of-time compilation --------------------------------------------------------------
-    def abstract_inputs(self, bucket: Bucket, sampling: SamplingBatch) -> StepInputs:
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        t, s = bucket.tokens, bucket.seqs
-        return StepInputs(
-            tokens=i32(t), positions=i32(t), slots=i32(t), page_tables=i32(s, self.max_pages_per_seq),
-            cu_q_lens=i32(s + 1), kv_lens=i32(s), num_seqs=i32(), sample_rows=i32(s),
-            sampling=jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling),
-            prompt_targets=i32(t), prompt_top_n=i32(t),
-        )
-
-    def compile(self, buckets: list[Bucket], sampling_for: Callable[[int], SamplingBatch]) -> dict[Bucket, float]:
-        """Compile every bucket now (progress bar; seconds per shape logged). With the persistent
-        compilation cache warm, this is mostly cache reads."""
-        seconds: dict[Bucket, float] = {}
-        with tqdm(buckets, desc="compiling steps", unit="shape", disable=None) as bar:
-            for bucket in bar:
-                bar.set_postfix_str(f"{bucket.kind} tokens={bucket.tokens} seqs={bucket.seqs}")
+    # ---- ahead-of-time compilation ----------------------------------------------------------------
+    def compile(self, keys: list[Key], abstract: Callable[[Key], dict[str, tuple[tuple[int, ...], Any]]]) -> dict[Key, float]:
+        """Compile every command shape now (progress bar; seconds per step shape logged). With the
+        persistent compilation cache warm, this is mostly cache reads."""
+        seconds: dict[Key, float] = {}
+        with tqdm(keys, desc="compiling steps", unit="shape", disable=None) as bar:
+            for key in bar:
+                bar.set_postfix_str(" ".join(map(str, key)))
                 start = time.perf_counter()
-                lowered = self._step.lower(self.params, self.kv, self.abstract_inputs(bucket, sampling_for(bucket.seqs)))
-                self._compiled[bucket] = lowered.compile()
-                seconds[bucket] = time.perf_counter() - start
-                log.info("compiled %s step tokens=%d seqs=%d in %.2fs", bucket.kind, bucket.tokens, bucket.seqs,
-                         seconds[bucket])
+                self._programs[key] = self._lower(key, abstract(key)).compile()
+                seconds[key] = time.perf_counter() - start
+                if key[0] in ("prefill", "decode"):
+                    log.info("compiled %s step %s in %.2fs", key[0], key[1:], seconds[key])
         return seconds
 
-    def run(self, bucket: Bucket, inputs: StepInputs) -> tuple[SampleOutput, PromptLogprobs]:
-        """Dispatch one step (asynchronously: the results are futures until read)."""
-        compiled = self._compiled.get(bucket)
+    def _lower(self, key: Key, spec: dict[str, tuple[tuple[int, ...], Any]]) -> Any:
+        payload = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in spec.items()}
+        fn = self._jitted[key[0]]
+        if key[0] in ("prefill", "decode"):
+            return fn.lower(self.params, self.kv, self.batch, payload)
+        return fn.lower(self.batch, payload)
+
+    @property
+    def compiled_steps(self) -> dict[Key, Any]:
+        """The compiled prefill and decode programs, by key."""
+        return {k: c for k, c in self._programs.items() if k[0] in ("prefill", "decode")}
+
+    # ---- running ------------------------------------------------------------------------------------
+    def call(self, key: Key, payload: Payload) -> StepOutput | None:
+        """Run one command (asynchronously: a step's outputs are futures until read)."""
+        compiled = self._programs.get(key)
         if compiled is None:
-            raise RuntimeError(f"step shape {bucket} was not compiled at start-up")
+            raise RuntimeError(f"command shape {key} was not compiled at start-up")
         if self.channel is not None and is_leader():
-            self.channel.send(bucket, inputs)
-        self.kv, out, prompt = compiled(self.params, self.kv, inputs)
-        return out, prompt
+            self.channel.send(key, payload)
+        if key[0] in ("prefill", "decode"):
+            self.kv, self.batch, out = compiled(self.params, self.kv, self.batch, payload)
+            return out
+        self.batch = compiled(self.batch, payload)
+        return None
+
+    def close(self) -> None:
+        """Release the other processes of a multi-host job (they exit); nothing to do otherwise."""
+        if self.channel is not None and is_leader():
+            self.channel.stop()
+            self.channel = None
+
+    def execute(self, step: StepCommands) -> "StepHandle":
+        """Run a step's commands; the handle reads its outputs back when asked."""
+        outputs: dict[Key, StepOutput] = {}
+        for command in step.commands:
+            out = self.call(command.key, command.payload)
+            if out is not None:
+                outputs[command.key] = out
+        return StepHandle(outputs.get(step.prefill) if step.prefill else None,
+                          outputs.get(step.decode) if step.decode else None)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step's outputs, on the device until `prefill_output()` / `decode_output()`."""
+
+    _prefill: Any
+    _decode: Any
+
+    def prefill_output(self) -> Any:
+        return None if self._prefill is None else to_host(self._prefill)
+
+    def decode_output(self) -> Any:
+        return None if self._decode is None else to_host(self._decode)
+
+
+def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:
+    return device_batch.set_pages(batch, inp["page_slots"], inp["page_index"], inp["page_ids"])
+
+
+def _prompt_logprobs(model: Decoder, hidden: jax.Array, targets: jax.Array, top_n: jax.Array) -> PromptLogprobs:
+    """Logits for every scheduled token cost [tokens x vocab]; the cond computes them only in
+    steps where some prompt asked for logprobs (echo, logprob_start_len), so other steps pay
+    nothing and no separate program has to be compiled. They are computed in chunks of rows:
+    XLA reserves a program's scratch memory for both branches of a cond on every run, and a
+    2048-token step over a 128k vocabulary would otherwise hold ~6 GB of logits and top-k
+    scratch that the KV cache could use."""
+    wanted = targets >= 0
+    t = hidden.shape[0]
+    chunk = max(c for c in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % c == 0)
+
+    def compute() -> PromptLogprobs:
+        def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+            h, target, n = args
+            return token_logprobs(model.logits(h), target, n)
+
+        split = lambda a: a.reshape(t // chunk, chunk, *a.shape[1:])  # noqa: E731
+        lp, ids, top = jax.lax.map(rows, (split(hidden), split(jnp.maximum(targets, 0)),
+                                          split(jnp.where(wanted, top_n, -1))))
+        return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1))
+
+    def skip() -> PromptLogprobs:
+        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.full((t, MAX_TOP_LOGPROBS), -1, jnp.int32),
+                              jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip)
 
 
 def _native_products_available() -> bool:
@@ -220,59 +325,3 @@ def _native_products_available() -> bool:
 
     return cpu_matmul.available()
 
-
-def _keep_cache_layout(attend: AttentionFn, kv_sharding: jax.sharding.Sharding) -> AttentionFn:
-    """Pin the cache carried through the layer scan to its own sharding. Left free, GSPMD may
-    re-split a replicated cache inside the loop (to follow the q heads) and all-gather the whole
-    cache back after it: a full-cache collective on every step."""
-
-    def pinned(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, window: jax.Array, layer: jax.Array):
-        out, cache = attend(q, k, v, cache, window, layer)
-        return out, jax.lax.with_sharding_constraint(cache, kv_sharding)
-
-    return pinned
-
-
-def build_inputs(
-    bucket: Bucket,
-    chunks: list[tuple[list[int], int, list[int]]],
-    page_size: int,
-    max_pages_per_seq: int,
-    sampling: SamplingBatch,
-    prompt_targets: list[tuple[list[int], int] | None] | None = None,
-) -> StepInputs:
-    """Pack (new token ids, first position, page table) per sequence into padded step arrays.
-    prompt_targets, per chunk: (the next prompt token for each of its rows or -1, top-N) or None."""
-    t, s = bucket.tokens, bucket.seqs
-    tokens = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
-    slots = np.full(t, -1, np.int32)
-    page_tables = np.zeros((s, max_pages_per_seq), np.int32)
-    cu = np.zeros(s + 1, np.int32)
-    kv_lens = np.zeros(s, np.int32)
-    sample_rows = np.zeros(s, np.int32)
-    targets = np.full(t, -1, np.int32)
-    top_n = np.zeros(t, np.int32)
-    offset = 0
-    for i, (ids, start, pages) in enumerate(chunks):
-        if prompt_targets and prompt_targets[i] is not None:
-            row_targets, n_top = prompt_targets[i]
-            targets[offset : offset + len(ids)] = row_targets
-            top_n[offset : offset + len(ids)] = n_top
-        n = len(ids)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        table = np.asarray(pages, np.int32)
-        tokens[offset : offset + n] = ids
-        positions[offset : offset + n] = pos
-        slots[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
-        page_tables[i, : len(table)] = table
-        cu[i + 1] = offset + n
-        kv_lens[i] = start + n
-        sample_rows[i] = offset + n - 1
-        offset += n
-    cu[len(chunks) + 1 :] = offset
-    return StepInputs(
-        tokens=tokens, positions=positions, slots=slots, page_tables=page_tables, cu_q_lens=cu, kv_lens=kv_lens,
-        num_seqs=np.int32(len(chunks)), sample_rows=sample_rows, sampling=sampling, prompt_targets=targets,
-        prompt_top_n=top_n,
-    )

@@ -38,34 +38,36 @@ Decisions worth knowing:
   mass p. Kept sets may therefore be larger than k / the minimal nucleus, but they never depend on
   the (unspecified) order of equal values.
 - **Sparse shapes**: logit_bias is `MAX_LOGIT_BIAS` (id, value) pairs per row — OpenAI's own limit
-  of 300 entries, so every valid request fits one compiled shape — and `banned_ids` is
-  `MAX_BANNED_IDS` ids per row. Padding is -1 (remapped on device to the out-of-range id V, which
-  the scatters drop). The builder refuses rows that do not fit rather than drop entries.
+  of 300 entries, so every valid request fits one compiled shape — and `banned_ids` a fixed number
+  of ids per row (jaxserve.engine.rows). Padding is -1 (remapped on device to the out-of-range id
+  V, which the scatters drop). The packer refuses rows that do not fit rather than drop entries.
+- **Per-slot state**: the penalty counts, prompt masks and grammar masks live in the device batch,
+  one row per slot ([slots, V]); a batch row reads its slot's (`slots`) only inside the branch that
+  needs them, so a step without penalties or grammars never touches the [slots, V] arrays.
 - **Structured output**: a constrained row brings a packed bitmask of the tokens its grammar allows
   (`allowed`, bit t % 32 of word t // 32, filled on the host by the row's matcher). It is unpacked
   with shifts (no gather) under a `lax.cond`, so batches without constrained rows pay nothing.
   Unlike bans, the grammar mask is never lifted: if bans would leave a constrained row nothing, the
   bans give way and the grammar stays.
-- **Penalties** need the token histories; a batch built with zero-width `output_tokens` and
-  `prompt_tokens` (lo = lp = 0) compiles without the [B, V] count scatter at all, and otherwise a
-  `lax.cond` skips it when no row in the batch is penalised.
+- **Penalties** read the row's output-token counts and prompt mask (kept up to date on the
+  device, never rebuilt from token histories on the host); a `lax.cond` skips them when no row in
+  the batch is penalised.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.engine.request import MAX_TOP_LOGPROBS
+from jaxserve.engine.rows import RowParams, mask_words, pack_rows
+
 Array = jax.Array
 
-MAX_TOP_LOGPROBS = 20  # static upper bound on top-N logprobs per token (OpenAI's limit)
-MAX_LOGIT_BIAS = 300  # (id, value) pairs per row: OpenAI's limit on logit_bias entries
-MAX_BANNED_IDS = 256  # banned ids per row per step: bad words + EOS/stop ids under min_tokens
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy
 
 _NEG_INF = float("-inf")
@@ -73,8 +75,9 @@ _NEG_INF = float("-inf")
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-row sampling parameters; every array has a leading [batch] dim. Build with
-    `make_sampling_batch`; token-id arrays are padded with -1."""
+    """Per-row sampling parameters; the [B] arrays have one entry per batch row, the per-slot
+    arrays one row per slot of the device batch, read through `slots`. Token-id arrays are padded
+    with -1. Tests build one with `make_sampling_batch`; the engine gathers it from its device batch."""
 
     temperature: Array  # f32[B]; < GREEDY_TEMPERATURE => greedy
     top_k: Array  # i32[B]; <= 0 (or >= V) => off
@@ -83,8 +86,6 @@ class SamplingBatch:
     frequency_penalty: Array  # f32[B]; OpenAI: logit -= freq * count over output tokens
     presence_penalty: Array  # f32[B]; OpenAI: logit -= pres * (count > 0) over output tokens
     repetition_penalty: Array  # f32[B]; HF/vLLM over prompt + output tokens; 1 => off
-    output_tokens: Array  # i32[B, Lo]; output so far (only needed by penalised rows)
-    prompt_tokens: Array  # i32[B, Lp]; prompt (only needed by repetition-penalised rows)
     bias_ids: Array  # i32[B, NB]; logit_bias token ids
     bias_values: Array  # f32[B, NB]; added to the logits of bias_ids
     banned_ids: Array  # i32[B, NBan]; set to -inf this step
@@ -92,8 +93,11 @@ class SamplingBatch:
     step: Array  # i32[B]; index of the token being sampled within the row's output
     num_logprobs: Array  # i32[B]; -1 none, 0 chosen token only, N also top-N
     processed_logprobs: Array  # bool[B]; False: raw model distribution; True: after bias/penalties/temperature
-    allowed: Array  # u32[B, ceil(V / 32)]; packed grammar mask (bit t % 32 of word t // 32)
-    constrained: Array  # bool[B]; the row's tokens are limited to `allowed`
+    constrained: Array  # bool[B]; the row's tokens are limited to its slot's `allowed`
+    slots: Array  # i32[B]; the row's slot in the per-slot arrays below
+    counts: Array  # i32[slots, V]; each slot's output-token counts (frequency/presence/repetition)
+    prompt_mask: Array  # bool[slots, V]; each slot's prompt tokens (repetition)
+    allowed: Array  # u32[slots, ceil(V / 32)]; packed grammar mask (bit t % 32 of word t // 32)
 
 
 @struct.dataclass
@@ -153,7 +157,7 @@ def _apply_bias(x: Array, bias_ids: Array, bias_values: Array) -> Array:
 def _apply_grammar(x: Array, batch: SamplingBatch) -> Array:
     rows, vocab_size = x.shape
     shifts = jnp.arange(32, dtype=jnp.uint32)
-    bits = (batch.allowed[:, :, None] >> shifts) & jnp.uint32(1)  # [B, W, 32]
+    bits = (batch.allowed[batch.slots][:, :, None] >> shifts) & jnp.uint32(1)  # [B, W, 32]
     allowed = bits.reshape(rows, -1)[:, :vocab_size].astype(bool)
     return jnp.where(batch.constrained[:, None] & ~allowed, _NEG_INF, x)
 
@@ -167,8 +171,6 @@ def _apply_bans(x: Array, banned_ids: Array) -> Array:
 
 
 def _apply_penalties(x: Array, batch: SamplingBatch) -> Array:
-    if batch.output_tokens.shape[-1] == 0 and batch.prompt_tokens.shape[-1] == 0:
-        return x  # compiled without token histories: no penalties possible
     penalised = (
         (batch.repetition_penalty != 1.0) | (batch.frequency_penalty != 0.0) | (batch.presence_penalty != 0.0)
     )
@@ -176,12 +178,9 @@ def _apply_penalties(x: Array, batch: SamplingBatch) -> Array:
 
 
 def _penalise(x: Array, batch: SamplingBatch) -> Array:
-    vocab_size = x.shape[-1]
-    out_ids = _padding_to_vocab(batch.output_tokens, vocab_size)
-    prompt_ids = _padding_to_vocab(batch.prompt_tokens, vocab_size)
-    counts = jnp.zeros(x.shape, jnp.int32).at[_row_index(out_ids), out_ids].add(1, mode="drop")  # [B, V]
+    counts = batch.counts[batch.slots]  # [B, V]
     in_output = counts > 0
-    in_prompt = jnp.zeros(x.shape, bool).at[_row_index(prompt_ids), prompt_ids].set(True, mode="drop")
+    in_prompt = batch.prompt_mask[batch.slots]
 
     rp = batch.repetition_penalty[:, None]
     repeated = jnp.where(x > 0, x / rp, x * rp)
@@ -327,139 +326,46 @@ def token_logprobs(lp_logits: Array, token: Array, num_logprobs: Array) -> tuple
     return chosen, top_ids, top_logprobs
 
 
-# ----------------------------------------------------------------------------- host side
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RowParams:
-    """One row's parameters, already validated by the request layer (ranges are not rechecked)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
-    banned_ids: Sequence[int] = ()
-    seed: int = 0
-    step: int = 0
-    num_logprobs: int = -1
-    processed_logprobs: bool = False
-    output_tokens: Sequence[int] = ()
-    prompt_tokens: Sequence[int] = ()
-    allowed_mask: np.ndarray | None = None  # u32[ceil(V / 32)] from the row's grammar matcher
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+# ----------------------------------------------------------------------------- tests' builder
 
 
 def make_sampling_batch(
     rows: Sequence[RowParams],
     vocab_size: int,
     batch_size: int,
-    lo: int,
-    lp: int,
-    num_bias: int = MAX_LOGIT_BIAS,
-    num_banned: int = MAX_BANNED_IDS,
+    output_tokens: Sequence[Sequence[int]] = (),
+    prompt_tokens: Sequence[Sequence[int]] = (),
+    steps: Sequence[int] = (),
+    allowed_masks: Sequence[np.ndarray | None] = (),
 ) -> SamplingBatch:
-    """NumPy `SamplingBatch` for `rows`, padded to the bucket's `batch_size`.
-
-    lo / lp are the widths of the output / prompt token histories (0 / 0 compiles a sampler
-    without penalties). Token histories are copied only for rows that use them: output tokens for
-    any penalty, prompt tokens for repetition_penalty. Padding rows are greedy with no logprobs.
-    Seeds are reduced to their low 32 bits. Raises ValueError, naming the numbers, for anything that
-    does not fit the shapes instead of silently dropping it.
-    """
-    if len(rows) > batch_size:
-        raise ValueError(f"{len(rows)} rows do not fit batch size {batch_size}")
-    b = batch_size
-    temperature = np.zeros(b, np.float32)  # padding rows are greedy
-    top_k = np.zeros(b, np.int32)
-    top_p = np.ones(b, np.float32)
-    min_p = np.zeros(b, np.float32)
-    frequency_penalty = np.zeros(b, np.float32)
-    presence_penalty = np.zeros(b, np.float32)
-    repetition_penalty = np.ones(b, np.float32)
-    output_tokens = np.full((b, lo), -1, np.int32)
-    prompt_tokens = np.full((b, lp), -1, np.int32)
-    bias_ids = np.full((b, num_bias), -1, np.int32)
-    bias_values = np.zeros((b, num_bias), np.float32)
-    banned_ids = np.full((b, num_banned), -1, np.int32)
-    seed = np.zeros(b, np.uint32)
-    step = np.zeros(b, np.int32)
-    num_logprobs = np.full(b, -1, np.int32)
-    processed_logprobs = np.zeros(b, bool)
+    """A NumPy `SamplingBatch` of `rows` padded to `batch_size`, each row its own slot, with the
+    penalty state the engine keeps on the device computed here from each row's token history
+    (output_tokens[i], prompt_tokens[i]), the sampling step of each row (steps[i], default 0)
+    and its grammar mask (allowed_masks[i]: u32[ceil(V / 32)], or None). Padding rows are greedy
+    with no logprobs."""
+    packed = pack_rows(rows, batch_size, vocab_size)
+    counts = np.zeros((batch_size, vocab_size), np.int32)
+    prompt_mask = np.zeros((batch_size, vocab_size), bool)
+    for i, ids in enumerate(output_tokens):
+        np.add.at(counts[i], np.asarray(ids, np.int64), 1)
+    for i, ids in enumerate(prompt_tokens):
+        prompt_mask[i, np.asarray(ids, np.int64)] = True
     words = mask_words(vocab_size)
-    allowed = np.zeros((b, words), np.uint32)
-    constrained = np.zeros(b, bool)
-
-    for i, row in enumerate(rows):
-        if not -1 <= row.num_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"row {i}: num_logprobs {row.num_logprobs} is outside [-1, {MAX_TOP_LOGPROBS}]")
-        temperature[i] = row.temperature
-        top_k[i] = row.top_k
-        top_p[i] = row.top_p
-        min_p[i] = row.min_p
-        frequency_penalty[i] = row.frequency_penalty
-        presence_penalty[i] = row.presence_penalty
-        repetition_penalty[i] = row.repetition_penalty
-        seed[i] = row.seed & 0xFFFFFFFF
-        step[i] = row.step
-        num_logprobs[i] = row.num_logprobs
-        processed_logprobs[i] = row.processed_logprobs
-        if row.logit_bias:
-            ids = _checked_ids(row.logit_bias.keys(), num_bias, vocab_size, f"row {i}: logit_bias")
-            bias_ids[i, : len(ids)] = ids
-            bias_values[i, : len(ids)] = list(row.logit_bias.values())
-        if row.banned_ids:
-            ids = _checked_ids(row.banned_ids, num_banned, vocab_size, f"row {i}: banned_ids")
-            banned_ids[i, : len(ids)] = ids
-        if row.has_penalties:
-            ids = _checked_ids(row.output_tokens, lo, vocab_size, f"row {i}: output_tokens")
-            output_tokens[i, : len(ids)] = ids
-        if row.repetition_penalty != 1.0:
-            ids = _checked_ids(row.prompt_tokens, lp, vocab_size, f"row {i}: prompt_tokens")
-            prompt_tokens[i, : len(ids)] = ids
-        if row.allowed_mask is not None:
-            if row.allowed_mask.shape != (words,):
-                raise ValueError(f"row {i}: allowed_mask has shape {row.allowed_mask.shape}, expected ({words},)")
-            allowed[i] = row.allowed_mask
-            constrained[i] = True
-
+    allowed = np.zeros((batch_size, words), np.uint32)
+    constrained = np.zeros(batch_size, bool)
+    for i, mask in enumerate(allowed_masks):
+        if mask is not None:
+            if mask.shape != (words,):
+                raise ValueError(f"row {i}: allowed_mask has shape {mask.shape}, expected ({words},)")
+            allowed[i], constrained[i] = mask, True
+    step = np.zeros(batch_size, np.int32)
+    step[: len(steps)] = steps
     return SamplingBatch(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        repetition_penalty=repetition_penalty,
-        output_tokens=output_tokens,
-        prompt_tokens=prompt_tokens,
-        bias_ids=bias_ids,
-        bias_values=bias_values,
-        banned_ids=banned_ids,
-        seed=seed,
-        step=step,
-        num_logprobs=num_logprobs,
-        processed_logprobs=processed_logprobs,
-        allowed=allowed,
-        constrained=constrained,
+        temperature=packed["temperature"], top_k=packed["top_k"], top_p=packed["top_p"], min_p=packed["min_p"],
+        frequency_penalty=packed["frequency_penalty"], presence_penalty=packed["presence_penalty"],
+        repetition_penalty=packed["repetition_penalty"], bias_ids=packed["bias_ids"],
+        bias_values=packed["bias_values"], banned_ids=packed["banned_ids"], seed=packed["seed"], step=step,
+        num_logprobs=packed["num_logprobs"], processed_logprobs=packed["processed_logprobs"],
+        constrained=constrained, slots=np.arange(batch_size, dtype=np.int32), counts=counts,
+        prompt_mask=prompt_mask, allowed=allowed,
     )
-
-
-def mask_words(vocab_size: int) -> int:
-    """32-bit words in a packed mask over the vocabulary."""
-    return (vocab_size + 31) // 32
-
-
-def _checked_ids(ids: Iterable[int], width: int, vocab_size: int, what: str) -> np.ndarray:
-    arr = np.fromiter(ids, np.int64)
-    if len(arr) > width:
-        raise ValueError(f"{what}: {len(arr)} ids exceed the compiled width {width}")
-    if len(arr) and (arr.min() < 0 or arr.max() >= vocab_size):
-        raise ValueError(f"{what}: ids must lie in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
-    return arr.astype(np.int32)

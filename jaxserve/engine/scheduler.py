@@ -1,24 +1,32 @@
 """Continuous batching on the host: admission by page budget, chunked prefill, preemption by recompute.
 
-One engine iteration runs the plan's PREFILL step (ragged chunks, at most max_prefill_seqs sequences
-and max_num_batched_tokens tokens) and then its DECODE step (one token for each decoding sequence).
-A running sequence is in exactly one phase:
+One engine iteration runs the output's PREFILL step (ragged chunks, at most max_prefill_seqs
+sequences and max_num_batched_tokens tokens) and then its DECODE step (`num_steps` tokens for each
+decoding sequence, run on the device without the host in between). A running sequence is in exactly
+one phase:
 
   prefill  never sampled yet, or recomputing after preemption: the next chunk computes the K/V of
            token_ids[num_computed_tokens:end]; the chunk with end == num_tokens also samples a token
-  decode   sampled before and num_computed_tokens == num_tokens - 1: the step writes the K/V of the
-           last (sampled) token and samples the next one
+  decode   sampled before and num_computed_tokens == num_tokens - 1: each of the step's iterations
+           writes the K/V of the last (sampled) token and samples the next one
+
+Every running sequence holds a slot: its row of the device's persistent batch (sampling
+parameters, penalty counts, grammar mask, page table), given at admission and taken back when it
+finishes or is preempted. `SchedulerOutput` is the step's diff for the device: which sequences got
+a slot, which slots were freed, and what each row computes.
 
 Engine contract, once per iteration, all on the engine thread (the scheduler is not thread-safe):
 
-  plan = scheduler.schedule()
-  run plan.prefills, then plan.decodes, on the device
-  scheduler.advance(plan)       # num_computed_tokens += computed tokens; full pages -> prefix cache
-  seq.token_ids.append(token)   # for each chunk with chunk.samples, and for each decode
-  scheduler.finish(seq, reason) # for each stop: EOS, stop id/string, num_tokens == max_total_tokens
+  out = scheduler.schedule()
+  run out.prefills, then out.decodes, on the device
+  seq.token_ids += tokens         # what each sampling row produced: one per prefill chunk with
+                                  # chunk.samples, 1..out.num_steps per decode (fewer when it ended)
+  scheduler.advance(out, counts)  # num_computed_tokens += computed tokens; full pages -> prefix cache
+  scheduler.finish(seq, reason)   # for each stop: EOS, stop id/string, num_tokens == max_total_tokens
 
-The engine never sets num_computed_tokens, pages or status itself. `abort(request_id)` may be called
-between iterations; a sequence finished or aborted while its step ran is skipped by `advance`.
+The engine never sets num_computed_tokens, pages, slots or status itself. `abort(request_id)` may
+be called between iterations; a sequence finished or aborted while its step ran is skipped by
+`advance`.
 """
 
 from __future__ import annotations
@@ -26,16 +34,13 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import heapq
+from collections.abc import Mapping
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator
-from jaxserve.engine.request import (
-    FinishReason,
-    InvalidRequestError,
-    RequestTooLongError,
-    Sequence,
-    SequenceStatus,
-)
+from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
+from jaxserve.errors import InvalidRequestError, RequestTooLongError
 
 
 @dataclasses.dataclass
@@ -56,10 +61,15 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass
-class StepPlan:
+class SchedulerOutput:
+    """One step, as a diff of the device's persistent batch."""
+
     prefills: list[PrefillChunk] = dataclasses.field(default_factory=list)
     decodes: list[Sequence] = dataclasses.field(default_factory=list)
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)  # now WAITING, pages freed
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)  # now WAITING, pages and slot freed
+    added: list[Sequence] = dataclasses.field(default_factory=list)  # got a slot this step (new or resumed)
+    removed: list[int] = dataclasses.field(default_factory=list)  # slots freed since the last output
+    num_steps: int = 1  # decode iterations run on the device; pages are reserved for all of them
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -82,6 +92,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int):
         if page_size != allocator.page_size:
             raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
+        if config.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {config.decode_steps}")
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
@@ -90,6 +102,9 @@ class Scheduler:
         # Sample 0 of an n > 1 request whose prompt is not computed yet; its siblings wait for it
         # so that they find the prompt's full pages in the prefix cache instead of computing them.
         self._leaders: dict[str, Sequence] = {}
+        # Rows of the device batch: at most max_num_seqs sequences run, each in its own slot.
+        self._free_slots: list[int] = list(range(config.max_num_seqs))  # a heap: lowest slot first
+        self._freed: list[int] = []  # slots freed since the last output
 
     @property
     def num_running(self) -> int:
@@ -152,8 +167,8 @@ class Scheduler:
 
     # -- one iteration ------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan()
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, oldest first: under page pressure the newest ones give way.
         for seq in sorted(self.running, key=Sequence.sort_key):
@@ -176,9 +191,29 @@ class Scheduler:
         # Pages are short right now: admitting would only preempt the newcomer again next step.
         if not plan.preempted:
             self._admit(plan, budget)
+        if plan.decodes and not plan.prefills and not plan.preempted and not self.waiting:
+            plan.num_steps = self._decode_steps(plan.decodes)
+        plan.removed, self._freed = self._freed, []
         return plan
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _decode_steps(self, decodes: list[Sequence]) -> int:
+        """Decode iterations for a batch with nothing else to do: up to decode_steps, as long as
+        every row can run them unattended (no grammar, no bans that depend on its last tokens) and
+        its pages for all of them can be reserved now without preempting anyone. A row that ends
+        (EOS, stop id, length) stops inside the loop; the rest of its reservation is freed with it."""
+        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens for s in decodes))
+        if steps <= 1 or not all(s.runs_unattended for s in decodes):
+            return 1
+        want = {s: self.allocator.pages_for(min(s.num_tokens + steps - 1, s.max_total_tokens)) - len(s.pages)
+                for s in decodes}
+        if not self.allocator.can_allocate(sum(want.values())):
+            return 1
+        for seq, num_new in want.items():
+            if num_new > 0:
+                seq.pages.extend(self.allocator.allocate(num_new))
+        return steps
+
+    def _admit(self, plan: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS)."""
         i = 0
         while i < len(self.waiting):
@@ -204,7 +239,9 @@ class Scheduler:
             if first_admission:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
+            seq.slot = heapq.heappop(self._free_slots)
             self.running.append(seq)
+            plan.added.append(seq)
             plan.prefills.append(PrefillChunk(seq, num_cached, end))
             budget -= end - num_cached
 
@@ -221,7 +258,7 @@ class Scheduler:
         leader = self._leaders.get(seq.request_id)
         return leader is not None and leader is not seq
 
-    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: SchedulerOutput) -> bool:
         """Give `seq` pages for `num_tokens` tokens, preempting the newest running sequences until
         they fit. False if `seq` itself was the newest and got preempted."""
         num_new = self.allocator.pages_for(num_tokens) - len(seq.pages)
@@ -241,15 +278,24 @@ class Scheduler:
         everything that arrived after it in its priority."""
         self.running.remove(seq)
         self.allocator.free(seq.pages)
+        self._release_slot(seq)
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
-    def advance(self, plan: StepPlan) -> None:
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            heapq.heappush(self._free_slots, seq.slot)
+            self._freed.append(seq.slot)
+            seq.slot = None
+
+    def advance(self, plan: SchedulerOutput, decoded: Mapping[Sequence, int] | None = None) -> None:
         """Record that the device ran `plan`: advance num_computed_tokens and publish newly full
-        pages to the prefix cache. Call exactly once per plan, before finishing its sequences."""
+        pages to the prefix cache. `decoded[seq]` is how many tokens each decode row sampled (its
+        iterations that ran; default 1 each), already appended to its token_ids. Call exactly once
+        per plan, after appending its tokens and before finishing its sequences."""
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is SequenceStatus.RUNNING:
@@ -257,7 +303,7 @@ class Scheduler:
                 self._computed(seq)
         for seq in plan.decodes:
             if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += 1
+                seq.num_computed_tokens += 1 if decoded is None else decoded[seq]
                 self._computed(seq)
 
     def _computed(self, seq: Sequence) -> None:
@@ -277,6 +323,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.allocator.free(seq.pages)
+        self._release_slot(seq)
         seq.pages = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -298,6 +345,11 @@ class Scheduler:
         self.allocator.check_invariants()
         problems = []
         held: collections.Counter[int] = collections.Counter()
+        slots = [seq.slot for seq in self.running]
+        if None in slots or len(set(slots)) != len(slots) or set(slots) & set(self._free_slots):
+            problems.append(f"running slots {slots} are not distinct or overlap the free ones {self._free_slots}")
+        if len(slots) + len(self._free_slots) != self.config.max_num_seqs:
+            problems.append(f"{len(slots)} running + {len(self._free_slots)} free slots != {self.config.max_num_seqs}")
         for seq in self.running:
             held.update(seq.pages)
             if seq.status is not SequenceStatus.RUNNING:
@@ -305,8 +357,8 @@ class Scheduler:
             if len(seq.pages) < self.allocator.pages_for(seq.num_computed_tokens):
                 problems.append(f"sequence {seq.seq_id} has computed tokens without pages")
         for seq in self.waiting:
-            if seq.pages or seq.num_computed_tokens or seq.status is not SequenceStatus.WAITING:
-                problems.append(f"waiting sequence {seq.seq_id} holds pages or computed tokens")
+            if seq.pages or seq.num_computed_tokens or seq.slot is not None or seq.status is not SequenceStatus.WAITING:
+                problems.append(f"waiting sequence {seq.seq_id} holds pages, a slot or computed tokens")
         if held[NULL_PAGE]:
             problems.append("a sequence holds the null page 0")
         for page in range(1, self.allocator.num_pages):

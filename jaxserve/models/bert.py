@@ -1,8 +1,8 @@
 """BERT-style encoders with a sequence-classification head: BERT ([CLS] -> pooler -> classifier)
 and RoBERTa / XLM-RoBERTa (<s> -> dense + tanh -> out_proj), as Flax NNX modules.
 
-Like the decoder, the layers are stored stacked and run under `jax.lax.scan` (one compiled layer
-body), and attention is passed in, so the same module runs packed classification steps and the
+Like the decoder, every layer holds its own parameters and the layers run as an unrolled loop
+(`jaxserve.models.layers.run_layers`), and attention is passed in, so the same module runs packed classification steps and the
 parity tests. Only absolute position embeddings exist in transformers 5, so only those are
 supported; token types are all 0 (single-sentence classification).
 """
@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import UnsupportedModelError
-from jaxserve.models.decoder import AttentionFn, Linear, _zeros
-from jaxserve.models.packed_attention import packed_attention
+from jaxserve.models.decoder import AttentionFn
+from jaxserve.models.layers import Linear, run_layers, zeros_param
+from jaxserve.models.packed_attention import PackedAttention
 
 Array = jax.Array
 
@@ -114,9 +115,9 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: Any, stack: tuple[int, ...] = ()):
-        self.weight = _zeros(stack, dim, dtype=dtype)
-        self.bias = _zeros(stack, dim, dtype=dtype)
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.weight = zeros_param(dim, dtype=dtype)
+        self.bias = zeros_param(dim, dtype=dtype)
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:
@@ -131,16 +132,16 @@ class LayerNorm(nnx.Module):
 class EncoderLayer(nnx.Module):
     """Post-norm transformer layer: x = norm(x + attn(x)); x = norm(x + mlp(x))."""
 
-    def __init__(self, cfg: EncoderConfig, dtype: Any, stack: tuple[int, ...]):
+    def __init__(self, cfg: EncoderConfig, dtype: Any):
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.query = Linear(h, h, True, dtype, stack)
-        self.key = Linear(h, h, True, dtype, stack)
-        self.value = Linear(h, h, True, dtype, stack)
-        self.attn_out = Linear(h, h, True, dtype, stack)
-        self.attn_norm = LayerNorm(h, cfg.layer_norm_eps, dtype, stack)
-        self.intermediate = Linear(h, i, True, dtype, stack)
-        self.output = Linear(i, h, True, dtype, stack)
-        self.out_norm = LayerNorm(h, cfg.layer_norm_eps, dtype, stack)
+        self.query = Linear(h, h, True, dtype)
+        self.key = Linear(h, h, True, dtype)
+        self.value = Linear(h, h, True, dtype)
+        self.attn_out = Linear(h, h, True, dtype)
+        self.attn_norm = LayerNorm(h, cfg.layer_norm_eps, dtype)
+        self.intermediate = Linear(h, i, True, dtype)
+        self.output = Linear(i, h, True, dtype)
+        self.out_norm = LayerNorm(h, cfg.layer_norm_eps, dtype)
         self.num_heads, self.head_dim, self.act = cfg.num_heads, cfg.head_dim, cfg.hidden_act
 
     def __call__(self, x: Array, attend: AttentionFn, layer: Array) -> Array:
@@ -151,6 +152,10 @@ class EncoderLayer(nnx.Module):
         return self.out_norm(x + self.output(_ACTIVATIONS[self.act](self.intermediate(x))))
 
 
+def _layer_body(layer: EncoderLayer, x: Array, attend: AttentionFn, index: Array) -> Array:
+    return layer(x, attend, index)
+
+
 class EncoderClassifier(nnx.Module):
     """BERT / RoBERTa encoder plus its classification head; parameters named after HF's."""
 
@@ -158,11 +163,11 @@ class EncoderClassifier(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         h = cfg.hidden_size
-        self.word_embeddings = _zeros((), cfg.vocab_size, h, dtype=dtype)  # [vocab, hidden]
-        self.position_embeddings = _zeros((), cfg.max_position_embeddings, h, dtype=dtype)
-        self.token_type_embeddings = _zeros((), cfg.type_vocab_size, h, dtype=dtype)
+        self.word_embeddings = zeros_param(cfg.vocab_size, h, dtype=dtype)  # [vocab, hidden]
+        self.position_embeddings = zeros_param(cfg.max_position_embeddings, h, dtype=dtype)
+        self.token_type_embeddings = zeros_param(cfg.type_vocab_size, h, dtype=dtype)
         self.embeddings_norm = LayerNorm(h, cfg.layer_norm_eps, dtype)
-        self.layers = EncoderLayer(cfg, dtype, stack=(cfg.num_layers,))
+        self.layers = nnx.List([EncoderLayer(cfg, dtype) for _ in range(cfg.num_layers)])
         if cfg.head == "pooler":
             self.pooler = Linear(h, h, True, dtype)
             self.classifier = Linear(h, cfg.num_labels, True, dtype)
@@ -176,14 +181,8 @@ class EncoderClassifier(nnx.Module):
         x = x + jnp.take(self.position_embeddings[...], positions, axis=0)
         x = x + self.token_type_embeddings[0]  # single-sentence inputs: token type 0 everywhere
         x = self.embeddings_norm(x)
-        graphdef, layer_state = nnx.split(self.layers)
-
-        def body(h: Array, per_layer: tuple[Any, Array]) -> tuple[Array, None]:
-            state, index = per_layer
-            return nnx.merge(graphdef, state)(h, attend, index), None
-
-        x, _ = jax.lax.scan(body, x, (layer_state, jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
-        return x
+        per_layer = [jnp.int32(i) for i in range(self.cfg.num_layers)]
+        return run_layers(self.layers, _layer_body, x, attend, per_layer)
 
     def head(self, first: Array) -> Array:
         """Hidden state of each sequence's first token ([CLS] / <s>) [n, hidden] -> float32 logits [n, labels]."""
@@ -195,7 +194,7 @@ class EncoderClassifier(nnx.Module):
                  max_segment: int | None = None) -> Array:
         """One packed step: tokens, positions, segments [T]; pool_rows [S] (each sequence's first
         token) -> float32 logits [S, num_labels]. max_segment: the longest input (static)."""
-        attend = packed_attention(segments[None], positions[None], causal=False, scale=self.cfg.head_dim**-0.5,
-                                  max_segment=max_segment)
+        attend = PackedAttention(segments, positions, causal=False, scale=self.cfg.head_dim**-0.5,
+                                 max_segment=max_segment)
         hidden = self.hidden_states(tokens[None], positions[None], attend)[0]
         return self.head(hidden[pool_rows])

@@ -26,8 +26,9 @@ from jaxserve.models.config import (
     UnsupportedModelError,
     decoder_config_from_hf,
 )
-from jaxserve.models.decoder import Decoder, Linear
-from jaxserve.models.packed_attention import packed_attention
+from jaxserve.models.decoder import Decoder
+from jaxserve.models.layers import Linear
+from jaxserve.models.packed_attention import PackedAttention
 
 Array = jax.Array
 
@@ -189,8 +190,8 @@ class DecoderClassifier(nnx.Module):
         """One packed step: tokens, positions, segments [T]; pool_rows [S] (each sequence's pooled
         token) -> float32 logits [S, num_labels]. max_segment: the longest input (static)."""
         body = self.cfg.body
-        attend = packed_attention(segments[None], positions[None], causal=True, scale=body.scale,
-                                  softcap=body.attn_logit_softcap, max_segment=max_segment)
+        attend = PackedAttention(segments, positions, causal=True, scale=body.scale,
+                                 softcap=body.attn_logit_softcap, max_segment=max_segment)
         hidden, _ = self.model.hidden_states(tokens[None], positions[None], attend)
         return self.head(hidden[0, pool_rows])
 

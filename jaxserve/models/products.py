@@ -1,64 +1,78 @@
-"""How the decoder multiplies activations by its weights.
+"""How the decoder multiplies activations by its weights: decided by each weight's pytree type,
+as jax-llm-examples' `QuantArray` does, so a compiled step carries its choice in its arguments'
+structure and nothing is read from a trace-time setting.
 
-By default XLA's dot. The engine can trace its steps with another implementation (`use`), the way
-`jax.default_matmul_precision` scopes a setting to the code traced inside it: on the CPU that is
-the native small-batch kernel (`pallas_kernels.cpu_matmul`, backend "cpu"), which streams bfloat16
-weights much faster than XLA:CPU's dot at decode batch sizes. The setting is read while tracing, so
-it belongs around tracing / lowering, not around calls of an already compiled function.
+  a plain jax.Array        XLA's dot
+  CpuWeight                the native small-batch kernel (`pallas_kernels.cpu_matmul`, backend
+                           "cpu"): bfloat16 weights streamed much faster than XLA:CPU's dot at
+                           decode batch sizes; XLA's dot where the kernel does not cover the
+                           product (prefill-sized rows)
+
+A quantized weight type belongs here too, beside them. `place(params, backend)` gives the
+weights of a parameter tree the type of a --matmul-backend.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 Array = jax.Array
 
 BACKENDS = ("xla", "cpu")
 
 
-class Products(NamedTuple):
-    linear: Callable[[Array, Array], Array]  # x [..., K] @ w [K, N] -> [..., N]
-    head: Callable[[Array, Array], Array]  # x [..., K] @ w.T for w [N, K] (HF's head / embedding orientation)
+@struct.dataclass
+class CpuWeight:
+    """A bfloat16 weight multiplied by the native CPU kernel where it covers the product."""
+
+    value: Array
 
 
-def _xla_head(x: Array, w: Array) -> Array:
+Weight = Array | CpuWeight
+
+
+def linear(x: Array, w: Weight) -> Array:
+    """x [..., K] @ w [K, N] -> [..., N]."""
+    if isinstance(w, CpuWeight):
+        from pallas_kernels import cpu_matmul
+
+        return cpu_matmul.matmul(x, w.value)
+    return x @ w
+
+
+def head(x: Array, w: Weight) -> Array:
+    """x [..., K] @ w.T for w [N, K] (HF's head / embedding orientation) -> [..., N]."""
+    if isinstance(w, CpuWeight):
+        from pallas_kernels import cpu_matmul
+
+        return cpu_matmul.matmul_transposed(x, w.value)
     return jnp.einsum("...h,vh->...v", x, w)
 
 
-XLA = Products(linear=lambda x, w: x @ w, head=_xla_head)
-
-_current: contextvars.ContextVar[Products] = contextvars.ContextVar("jaxserve_products", default=XLA)
-
-
-def current() -> Products:
-    return _current.get()
+def array(w: Weight) -> Array:
+    """The weight's values as one array (an embedding lookup reads rows of it)."""
+    return w.value if isinstance(w, CpuWeight) else w
 
 
-@contextlib.contextmanager
-def use(products: Products) -> Iterator[None]:
-    """Trace the enclosed code with `products`."""
-    token = _current.set(products)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None) -> Any:
+    """`params` (an nnx.State) with every Linear kernel (and the LM head at `head_path`: the
+    embedding when it is tied) typed for `backend`."""
+    if backend == "xla":
+        return params
+    if backend != "cpu":
+        raise ValueError(f"unknown matmul backend {backend!r}; expected one of {BACKENDS}")
 
+    def wrap(path: tuple, leaf: Any) -> Any:
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # the parameter's names
+        if keys[-1] == "kernel" or keys == head_path:
+            return CpuWeight(leaf)
+        return leaf
 
-def for_backend(name: str) -> Products:
-    """"xla" or "cpu" (the native kernel where it covers the product, XLA's dot elsewhere)."""
-    if name == "xla":
-        return XLA
-    if name == "cpu":
-        from pallas_kernels import cpu_matmul
-
-        return Products(linear=cpu_matmul.matmul, head=cpu_matmul.matmul_transposed)
-    raise ValueError(f"unknown matmul backend {name!r}; expected one of {BACKENDS}")
+    return jax.tree_util.tree_map_with_path(wrap, params)
 
 
 def describe_backend(name: str) -> str:

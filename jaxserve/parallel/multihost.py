@@ -1,16 +1,20 @@
 """Multi-host serving: one process per host under `jax.distributed`, one mesh over every device.
 
 Process 0 runs the HTTP server and the scheduler. Every other process loads its shards of the
-same model, compiles the same step shapes in the same order, and then only follows: for each step
-process 0 runs, it receives the step's bucket and inputs and runs the same jitted step on its
-devices (a multi-controller SPMD program must be entered by every process, in the same order).
-The sampled tokens are replicated over the mesh, so process 0 reads them from its own devices.
+same model, compiles the same command shapes in the same order, and then only follows: for each
+command process 0 runs (a device-batch update or a step, jaxserve.engine.step_inputs), it receives
+the command's key and payload and runs the same compiled program on its devices (a
+multi-controller SPMD program must be entered by every process, in the same order). The sampled
+tokens are replicated over the mesh, so process 0 reads them from its own devices.
 
 The control channel is JAX's own: a broadcast over the device mesh
-(`multihost_utils.broadcast_one_to_all`), not an RPC layer. Each step sends two fixed-size int32
-arrays: a header (command, bucket index), then the step's inputs packed into one buffer whose
-size is fixed by the bucket, so every broadcast program is compiled once, at start-up, with the
-steps. The coordinator (`--coordinator-address`) is JAX's coordination service: it trusts every
+(`multihost_utils.broadcast_one_to_all`), not an RPC layer. Each command sends two fixed-size
+int32 arrays: a header (STEP, the key's index), then the payload packed into one buffer whose size
+is fixed by the key, so every broadcast program is compiled once, at start-up, with the steps.
+Payloads are the engine's diffs (new rows, new pages, grammar masks, the step's tokens and
+positions), bounded by the bucket, never by max_model_len.
+
+The coordinator (`--coordinator-address`) is JAX's coordination service: it trusts every
 peer that reaches it, so it belongs on a private network. Given an address, it binds to that
 address only (or to `--coordinator-bind-address`), never to all interfaces. When JAX auto-detects
 the job (TPU pods, GKE), it picks the address itself and binds as JAX does by default (all
@@ -84,9 +88,10 @@ class _Leaf:
 
 
 class _Layout:
-    """Where each leaf of a bucket's input pytree sits in that bucket's int32 payload."""
+    """Where each array of a command's payload sits in that command's int32 buffer."""
 
-    def __init__(self, abstract: Any):
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]]):
+        abstract = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in spec.items()}
         leaves, self.treedef = jax.tree_util.tree_flatten(abstract)
         self.leaves: list[_Leaf] = []
         offset = 0
@@ -106,7 +111,7 @@ class _Layout:
         for spec, leaf in zip(self.leaves, leaves):
             arr = np.asarray(leaf, spec.dtype)
             if arr.shape != spec.shape:
-                raise ValueError(f"step input of shape {arr.shape} where the bucket has {spec.shape}")
+                raise ValueError(f"payload array of shape {arr.shape} where the command has {spec.shape}")
             raw[spec.offset : spec.offset + spec.nbytes] = np.frombuffer(arr.tobytes(), np.uint8)
         return buf
 
@@ -117,17 +122,17 @@ class _Layout:
 
 
 class StepChannel:
-    """Process 0 -> every process: each step's (bucket, inputs), or the order to stop.
+    """Process 0 -> every process: each command's (key, payload), or the order to stop.
 
-    Built identically on every process from the same bucket list, so bucket i means the same
-    shape everywhere. `warm_up()` runs one broadcast of every size the channel will use (all
-    processes together), so serving compiles nothing new.
+    Built identically on every process from the same key list, so key i means the same shape
+    everywhere. `warm_up()` runs one broadcast of every size the channel will use (all processes
+    together), so serving compiles nothing new.
     """
 
-    def __init__(self, buckets: list[Any], abstract_inputs: Callable[[Any], Any]):
-        self.buckets = list(buckets)
-        self._index = {b: i for i, b in enumerate(self.buckets)}
-        self._layouts = [_Layout(abstract_inputs(b)) for b in self.buckets]
+    def __init__(self, keys: list[Any], abstract: Callable[[Any], dict[str, tuple[tuple[int, ...], Any]]]):
+        self.keys = list(keys)
+        self._index = {k: i for i, k in enumerate(self.keys)}
+        self._layouts = [_Layout(abstract(k)) for k in self.keys]
 
     @staticmethod
     def _broadcast(buf: np.ndarray) -> np.ndarray:
@@ -141,17 +146,17 @@ class StepChannel:
             self._broadcast(np.zeros(words, np.int32))
 
     # ---- process 0 ----
-    def send(self, bucket: Any, inputs: Any) -> None:
-        i = self._index[bucket]
+    def send(self, key: Any, payload: Any) -> None:
+        i = self._index[key]
         self._broadcast(np.array([STEP, i, 0, 0], np.int32))
-        self._broadcast(self._layouts[i].pack(inputs))
+        self._broadcast(self._layouts[i].pack(payload))
 
     def stop(self) -> None:
         self._broadcast(np.array([STOP, 0, 0, 0], np.int32))
 
     # ---- every other process ----
     def receive(self) -> tuple[Any, Any] | None:
-        """The next step's (bucket, inputs), or None when process 0 stops."""
+        """The next command's (key, payload), or None when process 0 stops."""
         header = self._broadcast(np.zeros(4, np.int32))
         if int(header[0]) == STOP:
             return None
@@ -159,19 +164,19 @@ class StepChannel:
             raise RuntimeError(f"unknown control command {int(header[0])} from process 0")
         i = int(header[1])
         layout = self._layouts[i]
-        return self.buckets[i], layout.unpack(self._broadcast(np.zeros(layout.words, np.int32)))
+        return self.keys[i], layout.unpack(self._broadcast(np.zeros(layout.words, np.int32)))
 
 
 def follow(channel: StepChannel, run: Callable[[Any, Any], Any]) -> int:
-    """A follower's whole serving life: run every step process 0 sends, until it says stop.
-    Returns the number of steps run."""
-    steps = 0
+    """A follower's whole serving life: run every command process 0 sends, until it says stop.
+    Returns the number of commands run."""
+    commands = 0
     while (received := channel.receive()) is not None:
-        bucket, inputs = received
-        run(bucket, inputs)
-        steps += 1
-    log.info("process %d: process 0 stopped after %d steps; exiting", jax.process_index(), steps)
-    return steps
+        key, payload = received
+        run(key, payload)
+        commands += 1
+    log.info("process %d: process 0 stopped after %d commands; exiting", jax.process_index(), commands)
+    return commands
 
 
 def to_host(tree: Any) -> Any:

@@ -24,9 +24,9 @@ from jaxserve.parallel.mesh import MODEL_AXIS
 log = logging.getLogger("jaxserve.parallel")
 
 # (parameter path, shape) -> sharding: the loader's callback type
-ParamSharding = Callable[[tuple[str, ...], tuple[int, ...]], NamedSharding]
+ParamSharding = Callable[[tuple[str | int, ...], tuple[int, ...]], NamedSharding]
 
-# Parameter path (below the stacked "layers" axis) -> logical name of each dimension.
+# Parameter path (below "layers", i) -> logical name of each dimension.
 # Anything not listed (norm weights, q/k norms) is replicated.
 LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("embed_tokens",): ("vocab", None),
@@ -63,16 +63,15 @@ class ShardingPlan:
     def size(self) -> int:
         return self.mesh.shape[MODEL_AXIS]
 
-    def spec(self, path: tuple[str, ...]) -> PartitionSpec:
-        """PartitionSpec of the parameter at `path` (as the loader names it)."""
-        stacked = path[0] == "layers"
-        logical = LOGICAL_AXES.get(path[1:] if stacked else path)
+    def spec(self, path: tuple[str | int, ...]) -> PartitionSpec:
+        """PartitionSpec of the parameter at `path` (as the loader names it: ("layers", i, ...) for
+        a layer's parameters)."""
+        logical = LOGICAL_AXES.get(tuple(path[2:]) if path[0] == "layers" else tuple(path))
         if logical is None:
             return PartitionSpec()
-        axes = tuple(self.rules[name] if name else None for name in logical)
-        return PartitionSpec(*((None,) if stacked else ()), *axes)
+        return PartitionSpec(*(self.rules[name] if name else None for name in logical))
 
-    def param_sharding(self, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+    def param_sharding(self, path: tuple[str | int, ...], shape: tuple[int, ...]) -> NamedSharding:
         """The loader's sharding callback: each device's shard is read straight from the checkpoint."""
         return NamedSharding(self.mesh, self.spec(path))
 

@@ -22,7 +22,7 @@ from jaxserve.server.base_app import (
     base_app,
     check_limits,
 )
-from jaxserve.server.generation import ServerState
+from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
 from jaxserve.tokenizer import Tokenizer
 
@@ -59,6 +59,7 @@ def create_app(
     async def close_grammars() -> None:
         state.close_grammars()
 
+    end_flights_with_exchanges(app)
     openai.register(app, state)
     sglang.register(app, state)
     triton.register(app, state)
@@ -68,16 +69,14 @@ def create_app(
 
 def _metrics(model_name: str, async_engine: AsyncEngine) -> Metrics:
     m = Metrics(model_name)
-    # Read from the engine thread's objects without a lock: a scrape may be one step stale.
-    engine = async_engine.engine
-    alloc = engine.allocator
-    m.gauge("num_requests_running", "Sequences in the running batch.", lambda: engine.scheduler.num_running)
-    m.gauge("num_requests_waiting", "Sequences waiting for admission.", lambda: engine.scheduler.num_waiting)
-    m.gauge("kv_cache_usage_perc", "Fraction of KV pages in use.",
-            lambda: alloc.num_used_pages / max(1, alloc.num_usable_pages))
+    # The engine thread's snapshot of its last step: whole and consistent, at most one step old.
+    stats = lambda: async_engine.stats  # noqa: E731
+    m.gauge("num_requests_running", "Sequences in the running batch.", lambda: stats().num_running)
+    m.gauge("num_requests_waiting", "Sequences waiting for admission.", lambda: stats().num_waiting)
+    m.gauge("kv_cache_usage_perc", "Fraction of KV pages in use.", lambda: stats().kv_cache_usage)
     m.gauge("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up.",
-            lambda: alloc.prefix_cache_hit_rate)
-    m.gauge("num_preemptions", "Sequences preempted (recomputed) so far.", lambda: engine.num_preemptions)
+            lambda: stats().prefix_cache_hit_rate)
+    m.gauge("num_preemptions", "Sequences preempted (recomputed) so far.", lambda: stats().num_preemptions)
     return m
 
 

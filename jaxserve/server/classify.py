@@ -20,7 +20,7 @@ from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.classify import AsyncClassifyEngine, ClassifyResult, RequestAbortedError
 from jaxserve.engine.classify_batcher import probabilities
-from jaxserve.engine.request import InvalidRequestError
+from jaxserve.errors import InvalidRequestError
 from jaxserve.models.classifier import ClassifierConfig
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -330,7 +330,7 @@ def register_refusals(app: Quart, state: Any) -> None:
 
     async def refuse(state: Any) -> Response:
         """Refused: this server serves a generation model."""
-        arch = state.engine.engine.cfg.architecture
+        arch = state.engine.info.architecture
         raise ApiError(400, f"model `{state.model_name}` ({arch}) is a text-generation model with no "
                        "classification head; /v1/classify needs a sequence-classification or reward model "
                        "(e.g. Qwen2ForSequenceClassification, BertForSequenceClassification) served with "

@@ -17,7 +17,7 @@ from quart import Response
 from werkzeug.exceptions import HTTPException
 
 from jaxserve.engine.engine_thread import EngineDeadError
-from jaxserve.engine.request import InvalidRequestError
+from jaxserve.errors import InvalidRequestError
 from jaxserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger("jaxserve.server")

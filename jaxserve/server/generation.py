@@ -1,14 +1,19 @@
 """The routes' side of the engine: admission (--max-concurrent-requests), submission, deadlines,
 metrics, and making sure every engine request ends when its HTTP request does.
 
-A `Flight` is one HTTP request's hold on the engine. Whatever way the HTTP request ends — the
-response is complete, the client went away (Quart cancels the handler or closes the body), or
-the body was never started — the Flight's engine requests are aborted and its slot returned.
+A `Flight` is one HTTP request's hold on the engine, taken with `async with state.admit() as
+flight:`. Whatever way the HTTP exchange ends — the response is complete, the client went away
+(Quart cancels the handler or closes the body), or the body was never started — the Flight's
+engine requests are aborted and its slot returned: a non-streamed response's flight ends with the
+`async with`, a streamed one's with its body, and every flight at the latest with its exchange
+(`end_flights_with_exchanges` wraps the app's ASGI entry).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import threading
 import time
@@ -49,7 +54,7 @@ class ServerState:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.vocab_size
+        return self.engine.info.vocab_size
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -57,7 +62,7 @@ class ServerState:
         with self._grammars_lock:
             if self._grammars is None:
                 cfg = self.structured
-                vocabulary = token_vocabulary(self.tokenizer.hf, sorted(self.engine.engine.eos_ids))
+                vocabulary = token_vocabulary(self.tokenizer.hf, list(self.engine.info.eos_ids))
                 self._grammars = GrammarCompiler(vocabulary, self.tokenizer.hf, timeout_s=cfg.timeout_s,
                                                  max_index_bytes=cfg.max_mib << 20, cache_entries=cfg.cache_entries,
                                                  workers=cfg.workers)
@@ -69,22 +74,27 @@ class ServerState:
                 self._grammars.close()
                 self._grammars = None
 
-    def flight(self) -> "Flight":
-        """Admit one HTTP request, or refuse at once (no unbounded queue)."""
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator["Flight"]:
+        """Admit one HTTP request, or refuse at once (503 draining, 429 full: no unbounded
+        queue). The flight ends when the block exits, unless it handed its streams to a response
+        body (`Flight.respond`), which then ends it."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         if self.num_in_flight >= self.max_concurrent_requests:
             raise ApiError(429, f"the server is at --max-concurrent-requests ({self.max_concurrent_requests}); "
                            "retry later", code="too_many_requests")
-        return Flight(self)
+        flight = Flight(self)
+        try:
+            yield flight
+        finally:
+            if not flight.responding:
+                await flight.close()
 
     def abort_all(self) -> int:
         """End every in-flight request (their responses finish with finish_reason "abort")."""
         flights = list(self.flights)
-        for flight in flights:
-            for s in flight.streams:
-                if not s.finished:
-                    self.engine.abort(s.request_id)
+        self.engine.abort_all()
         return len(flights)
 
 
@@ -92,13 +102,43 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The flights of the HTTP exchange being served (end_flights_with_exchanges).
+_exchange_flights: contextvars.ContextVar[list["Flight"] | None] = contextvars.ContextVar("jaxserve_flights",
+                                                                                            default=None)
+
+
+def end_flights_with_exchanges(app: Any) -> None:
+    """Wrap the app's ASGI entry so that every flight taken while serving an HTTP exchange ends
+    when the exchange does, however it ends: even a streamed body the server never started (the
+    client left before the response began) returns its slot and aborts its engine requests."""
+    inner = app.asgi_app
+
+    async def asgi_app(scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return await inner(scope, receive, send)
+        flights: list[Flight] = []
+        token = _exchange_flights.set(flights)
+        try:
+            await inner(scope, receive, send)
+        finally:
+            _exchange_flights.reset(token)
+            for flight in flights:
+                flight.release()
+
+    app.asgi_app = asgi_app
+
+
 class Flight:
     def __init__(self, state: ServerState):
         self.state = state
         self.streams: list[EngineStream] = []
         self.closed = False
+        self.responding = False  # a response body owns it (respond)
         state.num_in_flight += 1
         state.flights.add(self)
+        exchange = _exchange_flights.get()
+        if exchange is not None:
+            exchange.append(self)
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> "EngineStream":
@@ -117,30 +157,32 @@ class Flight:
         return list(await asyncio.gather(*(s.collect() for s in self.streams)))
 
     async def close(self) -> None:
-        self._release()
+        self.release()
         for s in self.streams:
             await s.aclose()
 
-    async def guard(self, body: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
-        """A streamed body that closes the flight however the response ends."""
+    def respond(self, body: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        """Hand the flight to a streamed response body, which closes it however it ends."""
+        self.responding = True
+        return self._guard(body)
+
+    async def _guard(self, body: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
         try:
             async for chunk in body:
                 yield chunk
         finally:
-            self._release()  # the engine requests end now, even if the awaits below are cancelled
+            self.release()  # the engine requests end now, even if the awaits below are cancelled
             await body.aclose()  # stops merged()'s readers before the streams are closed under them
             await self.close()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Return the slot and abort the engine requests still running (idempotent)."""
         if not self.closed:
             self.closed = True
             self.state.num_in_flight -= 1
             self.state.flights.discard(self)
             for s in self.streams:
                 s.abort()
-
-    def __del__(self) -> None:  # the server dropped a streamed body without starting it
-        self._release()
 
 
 class EngineStream:

@@ -241,18 +241,12 @@ async def completions(state: ServerState) -> Response:
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
     request_id = new_id("cmpl")
-    flight = state.flight()
-    handed_off = False
-    try:
+    async with state.admit() as flight:
         for i, ids in enumerate(prompts):
             await flight.submit(f"{request_id}-{i}", ids, params, req.priority)
         if req.stream:
-            handed_off = True
-            return sse.sse_response(flight.guard(_completion_stream(state, req, request_id, prompts, flight.streams)))
+            return sse.sse_response(flight.respond(_completion_stream(state, req, request_id, prompts, flight.streams)))
         results = await flight.collect()
-    finally:
-        if not handed_off:
-            await flight.close()
     choices = []
     total = _Usage(prompts)
     for i, (ids, res) in enumerate(zip(prompts, results)):
@@ -372,18 +366,12 @@ async def chat_completions(state: ServerState) -> Response:
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     await attach_grammar(state, params, guide.only_one([guide_spec(req), forced.spec if forced else None]))
     request_id = new_id("chatcmpl")
-    flight = state.flight()
-    handed_off = False
-    try:
+    async with state.admit() as flight:
         await flight.submit(request_id, prompt, params, req.priority)
         if req.stream:
-            handed_off = True
-            return sse.sse_response(flight.guard(_chat_stream(state, req, request_id, prompt, flight.streams,
-                                                              forced)))
+            return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams,
+                                                                forced)))
         (res,) = await flight.collect()
-    finally:
-        if not handed_off:
-            await flight.close()
     choices = []
     for o in res.outputs:
         choice = {"index": o.index, "message": {"role": "assistant", "content": o.text},

@@ -152,18 +152,12 @@ async def generate(state: ServerState) -> Response:
     params = [_params(sp, req) for sp in sps]
     for sp, p in zip(sps, params):
         await attach_grammar(state, p, guide_spec(sp))
-    flight = state.flight()
-    handed_off = False
-    try:
+    async with state.admit() as flight:
         for i, (ids, p) in enumerate(zip(prompts, params)):
             await flight.submit(rids[i] or new_id("gen"), ids, p, req.priority or 0)
         if req.stream:
-            handed_off = True
-            return sse.sse_response(flight.guard(_stream(state, req, prompts, params, flight.streams, batch)))
+            return sse.sse_response(flight.respond(_stream(state, req, prompts, params, flight.streams, batch)))
         results = await flight.collect()
-    finally:
-        if not handed_off:
-            await flight.close()
     items = [_item(state, req, res, o, p, stream) for res, p, stream in zip(results, params, flight.streams)
              for o in res.outputs]
     return jsonify(items if batch or len(items) > 1 else items[0])
@@ -244,8 +238,7 @@ async def abort_request(state: ServerState) -> Response:
     """Abort one request by rid, or all of them."""
     req = await parse(AbortRequest)
     if req.abort_all:
-        for request_id in _running_ids(state):
-            state.engine.abort(request_id)
+        state.engine.abort_all()
     elif req.rid:
         state.engine.abort(req.rid)
     else:
@@ -261,23 +254,10 @@ async def get_model_info(state: ServerState) -> Response:
 
 async def health_generate(state: ServerState) -> Response:
     """SGLang's deep health check: generate one token."""
-    flight = state.flight()
-    try:
+    async with state.admit() as flight:
         await flight.submit(new_id("health"), state.tokenizer.encode("ping"), SamplingParams(max_tokens=1))
         await flight.collect()
-    finally:
-        await flight.close()
     return Response("", status=200)
-
-
-def _running_ids(state: ServerState) -> list[str]:
-    # The engine thread may add or remove requests while we copy the ids; retry until a copy holds.
-    for _ in range(100):
-        try:
-            return list(state.engine.engine.requests)
-        except RuntimeError:
-            continue
-    return []
 
 
 def register(app: Quart, state: ServerState) -> None:

@@ -13,7 +13,7 @@ from quart import Quart, Response, jsonify, request
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sse
 from jaxserve.server.errors import ApiError, error_event
-from jaxserve.server.generation import ServerState, attach_grammar, bad_words_ids, new_id, route
+from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, bad_words_ids, new_id, route
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 
@@ -137,12 +137,9 @@ async def generate(state: ServerState, name: str, version: str | None = None) ->
     """Triton generate extension: {"id", "text_input", "parameters"} -> {"text_output", ...}."""
     body, params, raw = await _parse(state, name, version)
     prompt = body["text_input"]
-    flight = state.flight()
-    try:
+    async with state.admit() as flight:
         await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
         (res,) = await flight.collect()
-    finally:
-        await flight.close()
     # The vLLM backend returns the prompt followed by the completion unless told otherwise.
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
     texts = [prefix + o.text for o in res.outputs]
@@ -153,15 +150,9 @@ async def generate_stream(state: ServerState, name: str, version: str | None = N
     """Triton generate extension, one SSE event per increment (no [DONE])."""
     body, params, raw = await _parse(state, name, version)
     prompt = body["text_input"]
-    flight = state.flight()
-    try:
-        stream = await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
-    except BaseException:
-        await flight.close()
-        raise
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events(stream: EngineStream) -> AsyncIterator[bytes]:
         first = True
         try:
             async for delta in stream:
@@ -172,7 +163,9 @@ async def generate_stream(state: ServerState, name: str, version: str | None = N
         except Exception as e:  # Triton has no [DONE]: the error event ends the stream
             yield sse.event(error_event(e, "triton"))
 
-    return sse.sse_response(flight.guard(events()))
+    async with state.admit() as flight:
+        stream = await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
+        return sse.sse_response(flight.respond(events(stream)))
 
 
 async def server_ready(state: ServerState) -> Response:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from jaxserve.engine.request import InvalidRequestError
+from jaxserve.errors import InvalidRequestError
 
 KINDS = ("regex", "choice", "json_schema", "json_object", "grammar")
 MAX_CHOICES = 1024

@@ -1,7 +1,7 @@
 """Build a ready classifier (decoder + score head, or BERT-style encoder + head) from a Hugging
 Face safetensors directory: every parameter is matched to its checkpoint tensor by name and shape,
-converted, stacked and placed with its sharding straight from the memory-mapped file, as the
-causal-LM loader does; the orbax cache of converted weights is shared with it."""
+converted and placed with its sharding straight from the memory-mapped file, as the causal-LM
+loader does (jaxserve.weights.tree); the orbax cache of converted weights is shared with it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxserve.models.bert import EncoderConfig
 from jaxserve.models.classifier import (
@@ -28,22 +26,21 @@ from jaxserve.models.classifier import (
 )
 from jaxserve.models.config import UnsupportedModelError
 from jaxserve.weights import orbax_cache
-from jaxserve.weights.loader import (
-    ShardingFn,
-    _leaf_paths,
-    _set,
-    hf_name,
-    merge,
-    resolve_dtype,
-    restore_or_build,
-    single_device_sharding,
-)
+from jaxserve.weights.loader import hf_name, resolve_dtype, restore_or_build
 from jaxserve.weights.safetensors_dir import WeightsError
 from jaxserve.weights.source import ModelSource, resolve
+from jaxserve.weights.tree import (
+    NameFn,
+    ParamPath,
+    ShardingFn,
+    abstract,
+    fill_from_source,
+    leaf_paths,
+    single_device_sharding,
+    tensor_names,
+)
 
 log = logging.getLogger("jaxserve.weights")
-
-NameFn = Callable[[tuple[str, ...]], tuple[str, bool, bool]]
 
 # Buffers some checkpoints persist that no model reads.
 _IGNORED_SUFFIXES = ("embeddings.position_ids", "rotary_emb.inv_freq")
@@ -80,28 +77,28 @@ _TOP_NAMES = {
 _HEAD_NAMES = {"classifier": "classifier", "head_dense": "classifier.dense", "head_out": "classifier.out_proj"}
 
 
-def encoder_hf_name(cfg: EncoderConfig, path: tuple[str, ...]) -> tuple[str, bool, bool]:
-    """Parameter path -> (HF name, with {i} for the layer; stacked; transposed)."""
+def encoder_hf_name(cfg: EncoderConfig, path: ParamPath) -> tuple[str, bool]:
+    """Parameter path -> (HF name, transposed)."""
     *module, leaf = path
     transposed = leaf == "kernel"
     hf_leaf = "weight" if transposed else leaf
     if module and module[0] == "layers":
-        return f"{cfg.prefix}encoder.layer.{{i}}.{_LAYER_NAMES[module[1]]}.{hf_leaf}", True, transposed
+        return f"{cfg.prefix}encoder.layer.{module[1]}.{_LAYER_NAMES[module[2]]}.{hf_leaf}", transposed
     if not module:  # an embedding table is a bare parameter
-        return f"{cfg.prefix}{_TOP_NAMES[leaf]}.weight", False, False
+        return f"{cfg.prefix}{_TOP_NAMES[leaf]}.weight", False
     if module[0] in _HEAD_NAMES:
-        return f"{_HEAD_NAMES[module[0]]}.{hf_leaf}", False, transposed
-    return f"{cfg.prefix}{_TOP_NAMES[module[0]]}.{hf_leaf}", False, transposed
+        return f"{_HEAD_NAMES[module[0]]}.{hf_leaf}", transposed
+    return f"{cfg.prefix}{_TOP_NAMES[module[0]]}.{hf_leaf}", transposed
 
 
-def decoder_classifier_hf_name(path: tuple[str, ...]) -> tuple[str, bool, bool]:
-    """Parameter path -> (HF name with {i} for the layer, stacked, transposed)."""
+def decoder_classifier_hf_name(path: ParamPath) -> tuple[str, bool]:
+    """Parameter path -> (HF name, transposed)."""
     if path[0] == "model":
         return hf_name(path[1:])  # the causal LM's own map, for the body
     module, leaf = path
     hf = {"score": "score", "score_hidden": "score.0", "score_out": "score.2"}[module]
     transposed = leaf == "kernel"
-    return f"{hf}.{'weight' if transposed else leaf}", False, transposed
+    return f"{hf}.{'weight' if transposed else leaf}", transposed
 
 
 def hf_name_fn(cfg: ClassifierConfig) -> NameFn:
@@ -115,14 +112,14 @@ def num_layers(cfg: ClassifierConfig) -> int:
     return cfg.body.num_layers
 
 
-def _tensor(source: ModelSource, name: str) -> str:
+def _alias(source: ModelSource, name: str) -> str:
     """The checkpoint's name for `name`: old BERT checkpoints call LayerNorm weights gamma/beta."""
     if name in source.tensors:
         return name
     for new, old in ((".LayerNorm.weight", ".LayerNorm.gamma"), (".LayerNorm.bias", ".LayerNorm.beta")):
         if name.endswith(new) and name[: -len(new)] + old in source.tensors:
             return name[: -len(new)] + old
-    raise WeightsError(f"{source.path}: tensor {name} is missing from the checkpoint")
+    return name
 
 
 def _ignored(cfg: ClassifierConfig, name: str) -> bool:
@@ -132,63 +129,16 @@ def _ignored(cfg: ClassifierConfig, name: str) -> bool:
     return isinstance(cfg.body, EncoderConfig) and cfg.body.head == "roberta" and name.startswith("roberta.pooler.")
 
 
-def check_tensors(cfg: ClassifierConfig, source: ModelSource, leaves: list[tuple[tuple[str, ...], Any]]) -> None:
-    """Every parameter's tensor exists with the shape the config implies; nothing is left over."""
-    name_of = hf_name_fn(cfg)
-    used = set()
-    for path, spec in leaves:
-        template, stacked, transposed = name_of(path)
-        names = [template.format(i=i) for i in range(num_layers(cfg))] if stacked else [template]
-        shape = tuple(spec.shape[1:] if stacked else spec.shape)
-        want = shape[::-1] if transposed else shape
-        for name in names:
-            actual = _tensor(source, name)
-            used.add(actual)
-            got = source.tensors[actual][1]
-            if got != want:
-                raise WeightsError(f"{source.path}: tensor {actual} has shape {got}, the config implies {want}")
-    extra = sorted(n for n in set(source.tensors) - used if not _ignored(cfg, n))
-    if extra:
-        more = " ..." if len(extra) > 5 else ""
-        raise WeightsError(f"{source.path}: tensors the model does not use: {extra[:5]}{more}")
-
-
-def _make_array(source: ModelSource, name_of: NameFn, path: tuple[str, ...], spec: Any, layers: int, dtype: Any,
-                sharding: jax.sharding.Sharding) -> jax.Array:
-    template, stacked, transposed = name_of(path)
-
-    def host(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        w = source.tensors[_tensor(source, name)][0]()
-        w = w.T if transposed else w
-        return np.asarray(w[index], dtype=dtype)
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return host(template, index)
-        return np.stack([host(template.format(i=i), index[1:]) for i in range(layers)[index[0]]])
-
-    return jax.make_array_from_callback(spec.shape, sharding, callback)
-
-
 def abstract_classifier(cfg: ClassifierConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.State, dict]:
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_classifier(cfg, dtype)))
-    return graphdef, state, nnx.to_pure_dict(state)
+    return abstract(lambda: build_classifier(cfg, dtype))
 
 
 def build_from_source(cfg: ClassifierConfig, source: ModelSource, dtype: Any,
                       sharding: ShardingFn = single_device_sharding) -> Classifier:
     graphdef, state, tree = abstract_classifier(cfg, dtype)
-    leaves = _leaf_paths(tree)
-    check_tensors(cfg, source, leaves)
-    name_of = hf_name_fn(cfg)
-    total = sum(int(np.prod(s.shape)) * jnp.dtype(dtype).itemsize for _, s in leaves)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {source.path.name}", leave=False,
-              disable=None) as bar:
-        for path, spec in leaves:
-            arr = _make_array(source, name_of, path, spec, num_layers(cfg), dtype, sharding(path, spec.shape))
-            _set(tree, path, arr)
-            bar.update(arr.nbytes)
-    return merge(graphdef, state, tree)
+    names = tensor_names(source, leaf_paths(tree), hf_name_fn(cfg), alias=lambda n: _alias(source, n),
+                         ignored=lambda n: _ignored(cfg, n))
+    return fill_from_source(graphdef, state, tree, source, names, dtype, sharding)
 
 
 def read_classifier_config(source: ModelSource) -> ClassifierConfig:

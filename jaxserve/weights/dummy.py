@@ -20,14 +20,14 @@ from tqdm import tqdm
 
 from jaxserve.models.config import DecoderConfig
 from jaxserve.models.decoder import Decoder
-from jaxserve.weights.loader import ShardingFn, _leaf_paths, _set, abstract_model, merge
+from jaxserve.weights.tree import ShardingFn, abstract, leaf_paths, merge, path_name, set_leaf
 
 INIT_STD = 0.02
 
 
-def init_kind(path: tuple[str, ...]) -> str:
+def init_kind(path: tuple[str | int, ...]) -> str:
     """How a parameter is initialised: 'ones' (norm scales), 'zeros' (biases) or 'normal'."""
-    if any("norm" in part for part in path):
+    if any("norm" in str(part) for part in path):
         return "ones"
     if path[-1] == "bias":
         return "zeros"
@@ -49,8 +49,8 @@ def _drawer(kind: str, shape: tuple[int, ...], dtype: Any, sharding: jax.shardin
 
 def build_random(cfg: DecoderConfig, dtype: Any, sharding: ShardingFn, seed: int = 0) -> Decoder:
     """A Decoder of `cfg`'s shapes with random weights, each leaf placed with `sharding(path, shape)`."""
-    graphdef, state, tree = abstract_model(cfg, dtype)
-    leaves = _leaf_paths(tree)
+    graphdef, state, tree = abstract(lambda: Decoder(cfg, dtype))
+    leaves = leaf_paths(tree)
     key = jax.random.key(seed)
     nbytes = sum(math.prod(s.shape) * jnp.dtype(dtype).itemsize for _, s in leaves)
     with tqdm(total=nbytes, unit="B", unit_scale=True, desc="random weights", leave=False, disable=None) as bar:
@@ -58,7 +58,7 @@ def build_random(cfg: DecoderConfig, dtype: Any, sharding: ShardingFn, seed: int
             shape = tuple(spec.shape)
             draw = _drawer(init_kind(path), shape, jnp.dtype(dtype), sharding(path, shape))
             arr = draw(jax.random.fold_in(key, i))
-            _set(tree, path, arr)
+            set_leaf(tree, path, arr)
             bar.update(arr.nbytes)
-            bar.set_postfix_str(".".join(path))
+            bar.set_postfix_str(path_name(path))
     return merge(graphdef, state, tree)

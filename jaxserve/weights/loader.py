@@ -1,6 +1,7 @@
-"""Build a ready Decoder from a checkpoint: map HF tensor names onto the model's parameters,
-convert dtype, stack layers, and place every array with its sharding straight from the source
-(each device shard is read from the memory-mapped file; no full copy on one device first)."""
+"""Build a ready Decoder from a checkpoint: map HF tensor names onto the model's parameters (one
+buffer per layer, as the checkpoint stores them), convert dtype, and place every array with its
+sharding straight from the source (each device shard is read from the memory-mapped file; no full
+copy on one device first)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,28 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxserve.models.config import DecoderConfig, decoder_config_from_hf
 from jaxserve.models.decoder import Decoder
 from jaxserve.weights import orbax_cache
-from jaxserve.weights.safetensors_dir import WeightsError
 from jaxserve.weights.source import ModelSource, resolve
+from jaxserve.weights.tree import (
+    ParamPath,
+    ShardingFn,
+    abstract,
+    fill_from_source,
+    leaf_paths,
+    merge,
+    set_leaf,
+    single_device_sharding,
+    tensor_names,
+)
 
 log = logging.getLogger("jaxserve.weights")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")
-
-ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding]
 
 
 @dataclasses.dataclass
@@ -74,102 +81,36 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
-def hf_name(path: tuple[str, ...]) -> tuple[str, bool, bool]:
-    """Model parameter path -> (HF name template with {i} for the layer, stacked, transposed)."""
+def hf_name(path: ParamPath) -> tuple[str, bool]:
+    """Model parameter path -> (HF tensor name, transposed)."""
     if path[0] == "layers":
-        *module, leaf = path[1:]
+        index, *module, leaf = path[1:]
         transposed = leaf == "kernel"
-        return f"model.layers.{{i}}.{'.'.join(module)}.{'weight' if transposed else leaf}", True, transposed
+        return f"model.layers.{index}.{'.'.join(module)}.{'weight' if transposed else leaf}", transposed
     if path == ("embed_tokens",):
-        return "model.embed_tokens.weight", False, False
+        return "model.embed_tokens.weight", False
     if path == ("lm_head",):
-        return "lm_head.weight", False, False
-    return "model." + ".".join(path), False, False
-
-
-def _leaf_paths(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    if isinstance(tree, dict):
-        return [p for k, v in tree.items() for p in _leaf_paths(v, (*prefix, str(k)))]
-    return [(prefix, tree)]
-
-
-def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree[key]
-    tree[path[-1]] = value
-
-
-def single_device_sharding(path: tuple[str, ...], shape: tuple[int, ...]) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return "lm_head.weight", False
+    return "model." + ".".join(map(str, path)), False
 
 
 def abstract_model(cfg: DecoderConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.State, dict]:
     """Graph definition, abstract state, and the parameter tree as a plain dict of ShapeDtypeStructs."""
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, dtype))
-    graphdef, state = nnx.split(abstract)
-    return graphdef, state, nnx.to_pure_dict(state)
+    return abstract(lambda: Decoder(cfg, dtype))
 
 
-def _check_tensors(cfg: DecoderConfig, source: ModelSource, leaves: list[tuple[tuple[str, ...], Any]]) -> None:
-    expected = set()
-    for path, spec in leaves:
-        template, stacked, transposed = hf_name(path)
-        names = [template.format(i=i) for i in range(cfg.num_layers)] if stacked else [template]
-        shape = tuple(spec.shape[1:] if stacked else spec.shape)
-        want = shape[::-1] if transposed else shape
-        for name in names:
-            expected.add(name)
-            if name not in source.tensors:
-                raise WeightsError(f"{source.path}: tensor {name} is missing from the checkpoint")
-            got = source.tensors[name][1]
-            if got != want:
-                raise WeightsError(f"{source.path}: tensor {name} has shape {got}, the config implies {want}")
-    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
-    extra = sorted(set(source.tensors) - expected - {"lm_head.weight"})
-    extra = [n for n in extra if not n.endswith("rotary_emb.inv_freq")]
-    if extra:
-        raise WeightsError(f"{source.path}: tensors the model does not use: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-
-
-def _make_array(
-    source: ModelSource, path: tuple[str, ...], spec: Any, num_layers: int, dtype: Any, sharding: jax.sharding.Sharding
-) -> jax.Array:
-    template, stacked, transposed = hf_name(path)
-
-    def host(name: str, index: tuple[slice, ...]) -> np.ndarray:
-        w = source.tensors[name][0]()
-        w = w.T if transposed else w
-        return np.asarray(w[index], dtype=dtype)
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return host(template, index)
-        layers = range(num_layers)[index[0]]
-        return np.stack([host(template.format(i=i), index[1:]) for i in layers])
-
-    return jax.make_array_from_callback(spec.shape, sharding, callback)
+def _unused(name: str) -> bool:
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); some persist the
+    # rotary tables.
+    return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
 
 
 def build_from_source(
     cfg: DecoderConfig, source: ModelSource, dtype: Any, sharding: ShardingFn = single_device_sharding
 ) -> Decoder:
     graphdef, state, tree = abstract_model(cfg, dtype)
-    leaves = _leaf_paths(tree)
-    _check_tensors(cfg, source, leaves)
-    total = sum(int(np.prod(s.shape)) * jnp.dtype(dtype).itemsize for _, s in leaves)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {source.path.name}", leave=False, disable=None) as bar:
-        for path, spec in leaves:
-            arr = _make_array(source, path, spec, cfg.num_layers, dtype, sharding(path, spec.shape))
-            _set(tree, path, arr)
-            bar.update(arr.nbytes)
-            bar.set_postfix_str(".".join(path))
-    return merge(graphdef, state, tree)
-
-
-def merge(graphdef: nnx.GraphDef, state: nnx.State, tree: dict) -> Decoder:
-    """Fill the abstract `state` with the arrays of `tree` (same structure) and build the model."""
-    nnx.replace_by_pure_dict(state, tree)
-    return nnx.merge(graphdef, state)
+    names = tensor_names(source, leaf_paths(tree), hf_name, ignored=_unused)
+    return fill_from_source(graphdef, state, tree, source, names, dtype, sharding)
 
 
 def restore_or_build(
@@ -183,8 +124,8 @@ def restore_or_build(
     checkpoint (and then written to the cache). Returns (module, whether it came from the cache)."""
     if weights_dir is not None and orbax_cache.exists(weights_dir):
         graphdef, state, tree = abstract()
-        for p, s in _leaf_paths(tree):
-            _set(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, s.shape)))
+        for p, s in leaf_paths(tree):
+            set_leaf(tree, p, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(p, tuple(s.shape))))
         return merge(graphdef, state, orbax_cache.restore(weights_dir, tree)), True
     module = build()
     if weights_dir is not None:

@@ -1,6 +1,6 @@
 """An orbax checkpoint cache of converted parameters.
 
-Converting a checkpoint (dequantizing GGUF blocks, transposing, stacking layers, casting) costs
+Converting a checkpoint (dequantizing GGUF blocks, transposing, casting) costs
 seconds to minutes; restoring the converted arrays from an orbax checkpoint is a straight read
 into each device's shard. The cache key is the source's fingerprint plus the dtype, so a changed
 file or another dtype never restores stale weights.
@@ -18,7 +18,8 @@ log = logging.getLogger("jaxserve.weights")
 
 # Bump when the parameter layout or the cached config changes, so old caches are ignored rather
 # than misread. 2: GGUF configs record the stored (e.g. quantized) dtype, which --dtype auto reads.
-LAYOUT_VERSION = 2
+# 3: one buffer per layer (layers.0.mlp..., no stacked [num_layers, ...] axis).
+LAYOUT_VERSION = 3
 
 
 def entry_dir(cache_dir: Path, fingerprint: str) -> Path:

@@ -3,7 +3,6 @@ package, not this test directory, also under a bare `pytest`), and a live jaxser
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,17 +23,11 @@ if "benchmarks" in sys.modules and getattr(sys.modules["benchmarks"], "__file__"
 def live_jaxserve(cache_dir, smollm2_tokenizer):
     """SmolLM2 on the small engine grid the server tests use, served by Hypercorn on a free port."""
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.engine import Engine
     from jaxserve.server.app import create_app
-    from jaxserve.weights import load_model
-    from live_server import MODEL, SMALL, start_server
-    from smollm2 import smollm2_gguf
+    from live_server import MAX_MODEL_LEN, MODEL, small_engine, start_server
 
-    model = load_model(smollm2_gguf(), "float32", cache_dir=cache_dir).model
-    engine = Engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, compilation_cache_dir=cache_dir / "xla"))
-    engine.compile()
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, smollm2_tokenizer, MODEL, SMALL.scheduler.max_model_len)
+    async_engine = AsyncEngine(small_engine(cache_dir))
+    app = create_app(async_engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN)
     live = start_server(app)
     yield live
     live.close()

@@ -10,8 +10,10 @@ import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.engine.engine import Engine, EngineConfig
-from jaxserve.engine.request import InvalidRequestError, RequestTooLongError, SamplingParams
+from jaxserve.engine.build import EngineConfig, build_engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import InvalidRequestError, RequestTooLongError
 from jaxserve.models.reference import greedy_reference
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
@@ -21,16 +23,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, cache_dir):
+def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-async")
     make_tiny_model("qwen3", d)
     save_tiny_tokenizer(d)
     model = load_model(d, "float32", use_cache=False).model
     config = EngineConfig(cache=CacheConfig(page_size=4, num_pages=64),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64),
-                          compilation_cache_dir=cache_dir / "xla")
-    engine = Engine(model, load_tokenizer(d), config)
-    engine.compile()
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64))
+    engine = build_engine(model, load_tokenizer(d), config)
     async_engine = AsyncEngine(engine)
     yield model, async_engine
     async_engine.shutdown()

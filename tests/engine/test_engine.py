@@ -1,6 +1,8 @@
 """The engine end to end on the real SmolLM2 model (float32, CPU): paged, batched, chunked,
 prefix-cached and preempted greedy decoding equals the no-cache reference token for token; stop
-conditions, seeds, n/best_of, logprobs, abort, refusal, and no compilation after warm-up."""
+conditions, seeds, n/best_of, logprobs, abort, refusal, and no compilation after warm-up; the
+overlapped engine and the device decode loop (several decode iterations per device step) give
+exactly the outputs of one step at a time."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import numpy as np
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
-from jaxserve.engine.request import RequestTooLongError, SamplingParams
+from jaxserve.engine.build import EngineConfig, build_engine
+from jaxserve.engine.core import Engine, run_to_completion
+from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import RequestTooLongError
 from jaxserve.models.reference import greedy_reference
 from jaxserve.weights import load_model
 from smollm2 import smollm2_gguf
@@ -35,12 +39,8 @@ def model(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model, smollm2_tokenizer, cache_dir):
-    import dataclasses
-
-    engine = Engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, compilation_cache_dir=cache_dir / "xla"))
-    engine.compile()
-    return engine
+def engine(model, smollm2_tokenizer):
+    return build_engine(model, smollm2_tokenizer, SMALL)
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list:
@@ -219,17 +219,20 @@ def test_structured_output_survives_preemption(engine, smollm2_tokenizer):
         compiler.close()
 
 
-def test_overlapped_steps_give_the_same_outputs(engine, model, smollm2_tokenizer, cache_dir):
+def test_overlapped_steps_and_the_decode_loop_give_the_same_outputs(engine, model, smollm2_tokenizer):
     """The engine turns step N's tokens into text while step N+1 runs, so a stop string ends its
-    sequence one step late and that step's token must vanish. Everything a client sees (text,
+    sequence one step late and that step's token must vanish; the device decode loop runs up to 8
+    decode iterations per step, ending rows on EOS, stop ids and length inside the loop, and a stop
+    string found afterwards drops the tokens sampled after it. Everything a client sees (text,
     token ids, logprobs, finish and stop reasons) must equal a run where every step completes
-    before the next starts, for a batch mixing every kind of ending."""
+    before the next starts, one token at a time, for a batch mixing every kind of ending, greedy
+    and seeded sampling."""
     import dataclasses
 
-    assert engine.config.overlap
-    serial = Engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, overlap=False,
-                                                                  compilation_cache_dir=cache_dir / "xla"))
-    serial.compile()
+    assert engine.overlap and engine.info.decode_steps == 1
+    serial = build_engine(model, smollm2_tokenizer, dataclasses.replace(SMALL, overlap=False))
+    looped = build_engine(model, smollm2_tokenizer, dataclasses.replace(
+        SMALL, scheduler=dataclasses.replace(SMALL.scheduler, decode_steps=8)))
     chat = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
     france = smollm2_tokenizer.encode("The capital of France is")
     work = [
@@ -242,14 +245,17 @@ def test_overlapped_steps_give_the_same_outputs(engine, model, smollm2_tokenizer
         (smollm2_tokenizer.encode(LONG), SamplingParams(temperature=1.0, max_tokens=30, seed=5, n=2, stop=[" the"])),
     ]
     outputs = []
-    for eng in (engine, serial):
-        ids = [f"overlap-{eng.config.overlap}-{i}" for i in range(len(work))]
+    for name, eng in (("overlap", engine), ("serial", serial), ("loop", looped)):
+        ids = [f"{name}-{i}" for i in range(len(work))]
         for rid, (prompt, params) in zip(ids, work):
             eng.add_request(rid, prompt, params)
+        steps = eng.num_steps
         results = run_to_completion(eng, ids)
         eng.check_idle_integrity()
         outputs.append([[(o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs) for o in results[r].outputs]
                         for r in ids])
-    assert outputs[0] == outputs[1]
+        if name == "loop":
+            assert eng.num_steps - steps < 40  # ~110 tokens of the longest rows: most steps ran several
+    assert outputs[0] == outputs[1] == outputs[2]
     reasons = [o[2] for request in outputs[0] for o in request]
     assert reasons.count("stop") >= 3 and "length" in reasons

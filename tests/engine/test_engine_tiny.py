@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
+from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.reference import greedy_reference
 from jaxserve.tokenizer import load_tokenizer
@@ -23,14 +24,11 @@ CONFIG = EngineConfig(
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_engine_greedy_equals_reference(name, tmp_path, cache_dir):
-    import dataclasses
-
+def test_engine_greedy_equals_reference(name, tmp_path):
     make_tiny_model(name, tmp_path)
     save_tiny_tokenizer(tmp_path)
     model = load_model(tmp_path, "float32", use_cache=False).model
-    engine = Engine(model, load_tokenizer(tmp_path), dataclasses.replace(CONFIG, compilation_cache_dir=cache_dir / "xla"))
-    engine.compile()
+    engine = build_engine(model, load_tokenizer(tmp_path), CONFIG)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = greedy_reference(model, PROMPTS, 20)
     for round_ in range(2):  # the second round hits the prefix cache
@@ -43,19 +41,17 @@ def test_engine_greedy_equals_reference(name, tmp_path, cache_dir):
     assert results["1-0"].num_cached_tokens > 0
 
 
-def test_padded_one_token_steps_equal_reference(tmp_path, cache_dir):
+def test_padded_one_token_steps_equal_reference(tmp_path):
     """On the CPU a bfloat16 step never multiplies a single row (XLA:CPU's one-row bfloat16
     product is ~10x slower): one-token steps carry a padding token. Forced on here in float32,
     where exactness can be checked, the padding must change nothing: not the tokens, not the
     cache (the padding token is never written)."""
-    import dataclasses
-
     make_tiny_model("llama3", tmp_path)
     save_tiny_tokenizer(tmp_path)
     model = load_model(tmp_path, "float32", use_cache=False).model
-    engine = Engine(model, load_tokenizer(tmp_path), dataclasses.replace(CONFIG, compilation_cache_dir=cache_dir / "xla"))
+    engine = build_engine(model, load_tokenizer(tmp_path), CONFIG, compile=False)
     engine.runner.min_rows = 2  # what a bfloat16 model on the CPU gets
-    engine.compile()
+    compile_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("alone", PROMPTS[0], params)  # one sequence: decode runs in the one-token bucket
     results = run_to_completion(engine, ["alone"])

@@ -9,10 +9,9 @@ import json
 import jax.numpy as jnp
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.engine.engine import Engine, EngineConfig
+from jaxserve.engine.build import EngineConfig, step_scratch_bytes
 from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
 from jaxserve.models.config import decoder_config_from_hf
-from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
 from tiny_models import make_tiny_model, save_tiny_tokenizer
 
@@ -57,11 +56,10 @@ def test_step_scratch_is_measured_and_prompt_logprobs_are_chunked(tmp_path):
     save_tiny_tokenizer(tmp_path)
     model = load_model(tmp_path, "float32", use_cache=False, load_format="dummy").model
     tokens = 512
-    engine = Engine(model, load_tokenizer(tmp_path), EngineConfig(
+    scratch = step_scratch_bytes(model, EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=64),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=tokens, max_prefill_seqs=2,
                                   max_model_len=256, prefill_buckets=(tokens,), decode_buckets=(4,))))  # fmt: skip
-    scratch = engine._step_scratch_bytes(model)
     assert scratch > 256 * 2**20  # the measured scratch plus the fixed headroom
     # Computed in one piece, the prompt logprobs alone would need tokens x vocab float32 logits.
     assert scratch - 256 * 2**20 < tokens * vocab * 4

@@ -19,7 +19,7 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
               page_size=4, cache_dir=tmp_path / "cache")
     prompts = [[1, 5, 9, 13, 17], [1, 2], [1, 100, 101, 102]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    expected = greedy_reference(llm.loaded.loaded.model, prompts, 6)
+    expected = greedy_reference(llm.model, prompts, 6)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.prompt_token_ids for o in outs] == prompts
     text = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
+from jaxserve.engine.request import MAX_TOP_LOGPROBS
+from jaxserve.engine.rows import MAX_BANNED_IDS, MAX_LOGIT_BIAS, RowParams
 from jaxserve.engine.sampler import (
-    MAX_TOP_LOGPROBS,
-    RowParams,
     SampleOutput,
     SamplingBatch,
     _apply_top_k,
@@ -27,8 +27,6 @@ from jaxserve.engine.sampler import (
 
 V = 64  # vocabulary of the small tests
 B = 8  # batch of the small tests
-LO = LP = 16  # token-history widths of the small tests
-NB = NBAN = 8  # sparse bias / ban widths of the tests
 NUM_DRAWS = 4000  # rows of the statistical tests (one row per step)
 P_MIN = 1e-3  # chi-square p-value below which a distribution is rejected (seeds are fixed)
 
@@ -39,15 +37,45 @@ def _logits(seed: int, rows: int = B, vocab: int = V, scale: float = 2.0) -> np.
     return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
 
 
-def _run(logits: np.ndarray, rows: list[RowParams], lo: int = LO, lp: int = LP) -> SampleOutput:
-    batch = make_sampling_batch(rows, logits.shape[-1], logits.shape[0], lo, lp, num_bias=NB, num_banned=NBAN)
-    return jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits), batch))
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A row's parameters and the state the engine keeps for it on the device: its token history
+    (penalty counts and prompt mask), the step being sampled and its grammar mask."""
+
+    params: RowParams
+    output_tokens: tuple[int, ...] = ()
+    prompt_tokens: tuple[int, ...] = ()
+    step: int = 0
+    allowed_mask: np.ndarray | None = None
+
+    def __getattr__(self, name: str):  # the parameters read like a RowParams
+        return getattr(self.params, name)
 
 
-def _draw(logits_row: np.ndarray, row: RowParams, n: int = NUM_DRAWS) -> np.ndarray:
-    """n draws of one request, one per step, made as one batch of n rows (no token histories)."""
-    rows = [dataclasses.replace(row, step=i) for i in range(n)]
-    return _run(np.tile(logits_row, (n, 1)), rows, lo=0, lp=0).token
+def make_row(*, output_tokens=(), prompt_tokens=(), step=0, allowed_mask=None, **params) -> Row:
+    return Row(RowParams(**params, constrained=allowed_mask is not None), tuple(output_tokens), tuple(prompt_tokens),
+               step, allowed_mask)
+
+
+def replace(r: Row, **changes) -> Row:
+    state = {k: changes.pop(k) for k in ("output_tokens", "prompt_tokens", "step", "allowed_mask") if k in changes}
+    return dataclasses.replace(r, params=dataclasses.replace(r.params, **changes), **state)
+
+
+def _batch(rows: list[Row], vocab: int, size: int) -> SamplingBatch:
+    return make_sampling_batch([r.params for r in rows], vocab, size, [r.output_tokens for r in rows],
+                               [r.prompt_tokens for r in rows], [r.step for r in rows],
+                               [r.allowed_mask for r in rows])
+
+
+def _run(logits: np.ndarray, rows: list[Row]) -> SampleOutput:
+    return jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits), _batch(rows, logits.shape[-1], logits.shape[0])))
+
+
+def _draw(logits_row: np.ndarray, r: Row, n: int = NUM_DRAWS) -> np.ndarray:
+    """n draws of one request, one per step, made as one batch of n rows."""
+    rows = [dataclasses.replace(r, step=i) for i in range(n)]
+    return _run(np.tile(logits_row, (n, 1)), rows).token
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -97,7 +125,7 @@ def _keep_top_p(probs: np.ndarray, p: float) -> np.ndarray:
     return np.where(probs / probs.sum() >= threshold, probs, 0.0)
 
 
-def _np_processed(logits: np.ndarray, row: RowParams) -> np.ndarray:
+def _np_processed(logits: np.ndarray, row: Row) -> np.ndarray:
     """NumPy (float64) reimplementation of bias -> bans -> penalties -> temperature."""
     x = logits.astype(np.float64).copy()
     for token, bias in row.logit_bias.items():
@@ -117,23 +145,23 @@ def _np_processed(logits: np.ndarray, row: RowParams) -> np.ndarray:
 
 def test_greedy_is_argmax_whatever_the_filters():
     logits = _logits(0)
-    rows = [RowParams(temperature=0.0, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate([(0, 1.0), (3, 0.5)] * 4)]
+    rows = [make_row(temperature=0.0, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate([(0, 1.0), (3, 0.5)] * 4)]
     out = _run(logits, rows)
     np.testing.assert_array_equal(out.token, logits.argmax(-1))
 
 
 def test_seeded_row_is_independent_of_its_neighbours():
     logits = _logits(1)
-    row = RowParams(temperature=0.9, top_k=20, top_p=0.9, seed=1234, num_logprobs=3, processed_logprobs=True)
+    row = make_row(temperature=0.9, top_k=20, top_p=0.9, seed=1234, num_logprobs=3, processed_logprobs=True)
     neighbours = [
-        RowParams(temperature=0.0, num_logprobs=MAX_TOP_LOGPROBS),
-        RowParams(temperature=1.5, seed=7, frequency_penalty=1.0, output_tokens=[1, 2, 2]),
-        RowParams(temperature=0.5, min_p=0.3, repetition_penalty=1.3, prompt_tokens=[5, 6], seed=99),
-        RowParams(temperature=1.0, banned_ids=list(range(0, 2 * NBAN, 2)), logit_bias={3: 5.0}),
+        make_row(temperature=0.0, num_logprobs=MAX_TOP_LOGPROBS),
+        make_row(temperature=1.5, seed=7, frequency_penalty=1.0, output_tokens=[1, 2, 2]),
+        make_row(temperature=0.5, min_p=0.3, repetition_penalty=1.3, prompt_tokens=[5, 6], seed=99),
+        make_row(temperature=1.0, banned_ids=list(range(0, 16, 2)), logit_bias={3: 5.0}),
     ]
     alone, crowded = [], []
     for step in range(24):
-        r = dataclasses.replace(row, step=step)
+        r = replace(row, step=step)
         alone.append(_run(logits[3:4], [r]))
         crowded.append(_run(logits, [*neighbours[:3], r, *neighbours[3:]]))
     alone_tokens = [o.token[0] for o in alone]
@@ -148,7 +176,7 @@ def test_seed_and_step_change_the_draw_and_replay_is_identical():
     uniform = np.zeros((1, V), np.float32)
 
     def tokens(seed: int) -> list[int]:
-        return [int(_run(uniform, [RowParams(seed=seed, step=s)]).token[0]) for s in range(16)]
+        return [int(_run(uniform, [make_row(seed=seed, step=s)]).token[0]) for s in range(16)]
 
     first = tokens(5)
     assert len(set(first)) > 8  # 16 uniform draws out of 64 are rarely this repetitive
@@ -163,13 +191,13 @@ def test_seed_and_step_change_the_draw_and_replay_is_identical():
 def test_temperature_scales_the_distribution():
     logits = _logits(2, rows=1)[0]
     for t in (0.5, 2.0):
-        tokens = _draw(logits, RowParams(temperature=t, seed=11))
+        tokens = _draw(logits, make_row(temperature=t, seed=11))
         _assert_distribution(tokens, _softmax(logits / t))
 
 
 def test_top_k_samples_the_renormalised_top_k():
     logits = _logits(3, rows=1, scale=0.5)[0]
-    tokens = _draw(logits, RowParams(temperature=1.0, top_k=7, seed=21))
+    tokens = _draw(logits, make_row(temperature=1.0, top_k=7, seed=21))
     probs = _keep_top_k(_softmax(logits), 7)
     assert np.count_nonzero(probs) == 7
     _assert_distribution(tokens, probs)
@@ -177,7 +205,7 @@ def test_top_k_samples_the_renormalised_top_k():
 
 def test_top_p_keeps_the_smallest_nucleus_reaching_p():
     logits = _logits(4, rows=1)[0]
-    tokens = _draw(logits, RowParams(temperature=1.0, top_p=0.6, seed=31))
+    tokens = _draw(logits, make_row(temperature=1.0, top_p=0.6, seed=31))
     probs = _keep_top_p(_softmax(logits), 0.6)
     kept = np.count_nonzero(probs)
     mass = np.sort(_softmax(logits))[::-1].cumsum()
@@ -193,7 +221,7 @@ def test_ties_at_the_boundary_are_kept_together(cut):
     probs = np.full(V, 0.2 / (V - 5))
     probs[10] = 0.4
     probs[[3, 20, 40, 63]] = 0.1
-    tokens = _draw(np.log(probs).astype(np.float32), RowParams(temperature=1.0, seed=41, **cut))
+    tokens = _draw(np.log(probs).astype(np.float32), make_row(temperature=1.0, seed=41, **cut))
     expected = np.zeros(V)
     expected[[10, 3, 20, 40, 63]] = [0.4, 0.1, 0.1, 0.1, 0.1]
     _assert_distribution(tokens, expected)
@@ -228,7 +256,7 @@ def test_filter_thresholds_equal_the_sort_based_definition():
 
 def test_top_p_applies_to_the_renormalised_top_k():
     logits = _logits(5, rows=1, scale=0.7)[0]
-    tokens = _draw(logits, RowParams(temperature=0.8, top_k=12, top_p=0.7, seed=51))
+    tokens = _draw(logits, make_row(temperature=0.8, top_k=12, top_p=0.7, seed=51))
     probs = _keep_top_p(_keep_top_k(_softmax(logits / 0.8), 12), 0.7)
     assert 1 < np.count_nonzero(probs) < 12
     _assert_distribution(tokens, probs)
@@ -236,7 +264,7 @@ def test_top_p_applies_to_the_renormalised_top_k():
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_max():
     logits = _logits(6, rows=1)[0]
-    tokens = _draw(logits, RowParams(temperature=1.0, min_p=0.1, seed=61))
+    tokens = _draw(logits, make_row(temperature=1.0, min_p=0.1, seed=61))
     full = _softmax(logits)
     probs = np.where(full >= 0.1 * full.max(), full, 0.0)
     assert 1 < np.count_nonzero(probs) < V
@@ -246,7 +274,7 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_max():
 # ------------------------------------------------------------------------ bias, bans and penalties
 
 
-def _penalty_rows(logits: np.ndarray) -> list[RowParams]:
+def _penalty_rows(logits: np.ndarray) -> list[Row]:
     # Histories drawn from each row's top tokens, so the penalised logits show up in the top-20.
     rng = np.random.default_rng(7)
     rows = []
@@ -266,7 +294,7 @@ def _penalty_rows(logits: np.ndarray) -> list[RowParams]:
         prompt = rng.choice(top, size=6).tolist()
         params = dict(temperature=0.0, num_logprobs=MAX_TOP_LOGPROBS, processed_logprobs=True, seed=i)
         params.update(kind)
-        rows.append(RowParams(**params, output_tokens=output, prompt_tokens=prompt))
+        rows.append(make_row(**params, output_tokens=output, prompt_tokens=prompt))
     return rows
 
 
@@ -288,10 +316,10 @@ def test_banned_ids_are_never_sampled():
     banned = [0, 7, 8, 9, 30, 63] + list(range(40, 42))
     logits = np.zeros(V, np.float32)
     logits[banned] = 5.0  # the banned tokens would otherwise dominate
-    tokens = _draw(logits, RowParams(temperature=1.0, banned_ids=banned, seed=71), n=NUM_DRAWS)
+    tokens = _draw(logits, make_row(temperature=1.0, banned_ids=banned, seed=71), n=NUM_DRAWS)
     probs = np.where(np.isin(np.arange(V), banned), 0.0, 1.0)
     _assert_distribution(tokens, probs)
-    greedy = _run(logits[None], [RowParams(temperature=0.0, banned_ids=banned, logit_bias={3: 1.0})])
+    greedy = _run(logits[None], [make_row(temperature=0.0, banned_ids=banned, logit_bias={3: 1.0})])
     assert greedy.token[0] == 3
 
 
@@ -302,9 +330,9 @@ def test_a_row_with_everything_banned_ignores_the_ban_and_stays_finite():
     finite = [2, 5, 11, 17, 23, 31, 47, 60]
     logits[:, finite] = _logits(10)[:, :8]
     rows = [
-        RowParams(temperature=0.0, banned_ids=finite, num_logprobs=3, processed_logprobs=True),
-        RowParams(temperature=1.0, banned_ids=finite, num_logprobs=3, seed=3),
-        RowParams(temperature=0.0, banned_ids=finite[:7]),  # one token left: the ban holds
+        make_row(temperature=0.0, banned_ids=finite, num_logprobs=3, processed_logprobs=True),
+        make_row(temperature=1.0, banned_ids=finite, num_logprobs=3, seed=3),
+        make_row(temperature=0.0, banned_ids=finite[:7]),  # one token left: the ban holds
     ]
     out = _run(logits, rows)
     assert out.token[0] == logits[0].argmax()
@@ -324,10 +352,10 @@ def test_grammar_mask_limits_constrained_rows_only():
     allowed = [1, 33, 62]  # across words 0 and 1
     logits = np.zeros(V, np.float32)
     logits[[0, 5, 40]] = 8.0  # strongly preferred, but outside the grammar
-    tokens = _draw(logits, RowParams(temperature=1.0, seed=5, allowed_mask=_packed(allowed)), n=NUM_DRAWS)
+    tokens = _draw(logits, make_row(temperature=1.0, seed=5, allowed_mask=_packed(allowed)), n=NUM_DRAWS)
     _assert_distribution(tokens, np.isin(np.arange(V), allowed).astype(float))
-    rows = [RowParams(temperature=0.0, allowed_mask=_packed(allowed), num_logprobs=2),
-            RowParams(temperature=0.0, num_logprobs=2)]  # unconstrained neighbour: untouched
+    rows = [make_row(temperature=0.0, allowed_mask=_packed(allowed), num_logprobs=2),
+            make_row(temperature=0.0, num_logprobs=2)]  # unconstrained neighbour: untouched
     out = _run(np.stack([logits, logits] + [logits] * (B - 2)), rows)
     assert out.token[0] in allowed and out.token[1] in (0, 5, 40)
     # Logprobs stay those of the model's raw distribution (vLLM's default), grammar or not.
@@ -338,9 +366,9 @@ def test_bans_give_way_to_the_grammar_never_the_reverse():
     logits = _logits(12)[0]
     grammar = [3, 9]
     rows = [
-        RowParams(temperature=0.0, allowed_mask=_packed(grammar), banned_ids=[3]),  # 9 is left
-        RowParams(temperature=1.0, seed=2, allowed_mask=_packed(grammar), banned_ids=[3, 9]),  # nothing left
-        RowParams(temperature=0.0, allowed_mask=_packed([7]), logit_bias={7: -100.0}),  # bias cannot escape
+        make_row(temperature=0.0, allowed_mask=_packed(grammar), banned_ids=[3]),  # 9 is left
+        make_row(temperature=1.0, seed=2, allowed_mask=_packed(grammar), banned_ids=[3, 9]),  # nothing left
+        make_row(temperature=0.0, allowed_mask=_packed([7]), logit_bias={7: -100.0}),  # bias cannot escape
     ]
     out = _run(np.tile(logits, (B, 1)), rows)
     assert out.token[0] == 9
@@ -350,7 +378,7 @@ def test_bans_give_way_to_the_grammar_never_the_reverse():
 
 def test_grammar_mask_shape_is_checked():
     with pytest.raises(ValueError, match="allowed_mask has shape"):
-        make_sampling_batch([RowParams(allowed_mask=np.zeros(3, np.uint32))], V, 1, 0, 0)
+        make_sampling_batch([RowParams(constrained=True)], V, 1, allowed_masks=[np.zeros(3, np.uint32)])
 
 
 # ---------------------------------------------------------------------------------------- logprobs
@@ -358,13 +386,13 @@ def test_grammar_mask_shape_is_checked():
 
 def test_logprobs_raw_processed_and_top_n():
     logits = _logits(11)
-    row = RowParams(temperature=0.6, logit_bias={4: 2.0}, frequency_penalty=0.5, output_tokens=[4, 4, 9], seed=5)
+    row = make_row(temperature=0.6, logit_bias={4: 2.0}, frequency_penalty=0.5, output_tokens=[4, 4, 9], seed=5)
     rows = [
-        dataclasses.replace(row, num_logprobs=5, processed_logprobs=False),
-        dataclasses.replace(row, num_logprobs=5, processed_logprobs=True),
-        dataclasses.replace(row, num_logprobs=0),
-        dataclasses.replace(row, num_logprobs=-1),
-        dataclasses.replace(row, num_logprobs=MAX_TOP_LOGPROBS, temperature=0.0, processed_logprobs=True),
+        replace(row, num_logprobs=5, processed_logprobs=False),
+        replace(row, num_logprobs=5, processed_logprobs=True),
+        replace(row, num_logprobs=0),
+        replace(row, num_logprobs=-1),
+        replace(row, num_logprobs=MAX_TOP_LOGPROBS, temperature=0.0, processed_logprobs=True),
     ]
     out = _run(logits, rows)
     for i, r in enumerate(rows):
@@ -380,7 +408,7 @@ def test_logprobs_raw_processed_and_top_n():
 
 
 def test_no_row_asks_for_top_n():
-    out = _run(_logits(12), [RowParams(num_logprobs=0, seed=s) for s in range(B)])
+    out = _run(_logits(12), [make_row(num_logprobs=0, seed=s) for s in range(B)])
     assert (out.top_ids == -1).all() and np.isneginf(out.top_logprobs).all()
     assert np.isfinite(out.logprob).all()
 
@@ -391,9 +419,9 @@ def test_no_row_asks_for_top_n():
 def test_padding_rows_are_harmless_even_with_nan_logits():
     logits = _logits(13)
     rows = [
-        RowParams(temperature=1.0, top_p=0.8, seed=1, num_logprobs=4),
-        RowParams(temperature=0.0, repetition_penalty=1.3, output_tokens=[3], prompt_tokens=[1]),
-        RowParams(temperature=0.7, top_k=5, seed=2, num_logprobs=2, processed_logprobs=True),
+        make_row(temperature=1.0, top_p=0.8, seed=1, num_logprobs=4),
+        make_row(temperature=0.0, repetition_penalty=1.3, output_tokens=[3], prompt_tokens=[1]),
+        make_row(temperature=0.7, top_k=5, seed=2, num_logprobs=2, processed_logprobs=True),
     ]
     clean = _run(logits, rows)
     dirty_logits = logits.copy()
@@ -406,46 +434,41 @@ def test_padding_rows_are_harmless_even_with_nan_logits():
 
 
 def test_builder_pads_and_validates():
-    batch = make_sampling_batch(
-        [RowParams(seed=-1, logit_bias={3: 1.5}, banned_ids=[4], output_tokens=[1, 2], frequency_penalty=0.1)],
-        vocab_size=V, batch_size=4, lo=4, lp=2, num_bias=NB, num_banned=NBAN,
-    )
+    batch = _batch([make_row(seed=-1, logit_bias={3: 1.5}, banned_ids=[4], output_tokens=[1, 2, 2], prompt_tokens=[5],
+                        frequency_penalty=0.1)], V, 4)
     assert isinstance(batch, SamplingBatch)
     assert batch.seed[0] == 2**32 - 1 and batch.seed.dtype == np.uint32
-    np.testing.assert_array_equal(batch.output_tokens[0], [1, 2, -1, -1])
-    assert (batch.prompt_tokens == -1).all()  # no repetition penalty: prompt not needed
+    np.testing.assert_array_equal(np.nonzero(batch.counts[0])[0], [1, 2])
+    assert batch.counts[0, 2] == 2 and batch.prompt_mask[0].sum() == 1 and batch.prompt_mask[0, 5]
     np.testing.assert_array_equal(batch.bias_ids[0, :2], [3, -1])
+    np.testing.assert_array_equal(batch.slots, np.arange(4))
     assert (batch.temperature[1:] == 0).all() and (batch.num_logprobs[1:] == -1).all()
-
-    # Histories are only copied when a penalty needs them, so lo = lp = 0 accepts plain rows.
-    make_sampling_batch([RowParams(output_tokens=list(range(50)))], V, 1, 0, 0)
+    big = MAX_LOGIT_BIAS + MAX_BANNED_IDS  # a vocabulary where only the widths are too small
     bad = [
-        ([RowParams()] * 3, dict(batch_size=2)),
-        ([RowParams(num_logprobs=MAX_TOP_LOGPROBS + 1)], {}),
-        ([RowParams(logit_bias={i: 1.0 for i in range(NB + 1)})], {}),
-        ([RowParams(banned_ids=[V])], {}),
-        ([RowParams(presence_penalty=0.5, output_tokens=list(range(LO + 1)))], {}),
-        ([RowParams(repetition_penalty=1.1, prompt_tokens=[-3])], {}),
+        ([RowParams()] * 3, V, 2),
+        ([RowParams(num_logprobs=MAX_TOP_LOGPROBS + 1)], V, B),
+        ([RowParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})], big, B),
+        ([RowParams(banned_ids=[V])], V, B),
+        ([RowParams(banned_ids=list(range(MAX_BANNED_IDS + 1)))], big, B),
+        ([RowParams(end_ids=[-3])], V, B),
     ]
-    for rows, override in bad:
-        kwargs = dict(vocab_size=V, batch_size=B, lo=LO, lp=LP, num_bias=NB, num_banned=NBAN) | override
+    for rows, vocab, size in bad:
         with pytest.raises(ValueError):
-            make_sampling_batch(rows, **kwargs)
+            make_sampling_batch(rows, vocab, size)
 
 
 def test_parameter_values_do_not_recompile():
     logits = jnp.asarray(_logits(14))
     variants = [
-        [RowParams()] * B,
-        [RowParams(temperature=0.0, num_logprobs=5)] * B,
+        [make_row()] * B,
+        [make_row(temperature=0.0, num_logprobs=5)] * B,
         _penalty_rows(_logits(14)),
-        [RowParams(top_k=3, top_p=0.5, min_p=0.2, seed=s, step=s) for s in range(B)],
-        [RowParams(temperature=0.3, logit_bias={1: 2.0}, banned_ids=[4], seed=2**32 - 1)] * 3,
+        [make_row(top_k=3, top_p=0.5, min_p=0.2, seed=s, step=s) for s in range(B)],
+        [make_row(temperature=0.3, logit_bias={1: 2.0}, banned_ids=[4], seed=2**32 - 1)] * 3,
     ]
     compiled = None
     for rows in variants:
-        batch = make_sampling_batch(rows, V, B, LO, LP, num_bias=NB, num_banned=NBAN)
-        SAMPLE(logits, batch).token.block_until_ready()
+        SAMPLE(logits, _batch(rows, V, B)).token.block_until_ready()
         # The jit cache also holds the other tests' shapes: count from after the first call.
         compiled = compiled or SAMPLE._cache_size()
         assert SAMPLE._cache_size() == compiled
@@ -456,11 +479,10 @@ def test_full_size_vocab_in_bfloat16():
     logits = np.asarray(jnp.asarray(_logits(15, rows=2, vocab=vocab, scale=3.0), jnp.bfloat16).astype(jnp.float32))
     best = int(logits[0].argmax())
     rows = [
-        RowParams(temperature=0.0, banned_ids=[best], num_logprobs=MAX_TOP_LOGPROBS),
-        RowParams(temperature=0.8, top_p=0.9, top_k=50, seed=9, num_logprobs=2, processed_logprobs=True),
+        make_row(temperature=0.0, banned_ids=[best], num_logprobs=MAX_TOP_LOGPROBS),
+        make_row(temperature=0.8, top_p=0.9, top_k=50, seed=9, num_logprobs=2, processed_logprobs=True),
     ]
-    batch = make_sampling_batch(rows, vocab, 2, 0, 0)  # the production bias / ban widths
-    out = jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits, jnp.bfloat16), batch))
+    out = jax.tree.map(np.asarray, SAMPLE(jnp.asarray(logits, jnp.bfloat16), _batch(rows, vocab, 2)))
     unbanned = logits[0].copy()
     unbanned[best] = -np.inf
     assert out.token[0] == unbanned.argmax()  # bfloat16 ties: the first of the tied maxima

@@ -15,15 +15,9 @@ import pytest
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator
-from jaxserve.engine.request import (
-    FinishReason,
-    InvalidRequestError,
-    RequestTooLongError,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-)
-from jaxserve.engine.scheduler import Scheduler, StepPlan
+from jaxserve.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus
+from jaxserve.errors import InvalidRequestError, RequestTooLongError
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
 _request_ids = itertools.count()
 
@@ -45,7 +39,7 @@ class FakeEngine:
         self.alloc = PageAllocator(num_pages, page_size, prefix_caching)
         self.sched = Scheduler(SchedulerConfig(**config), self.alloc, page_size)
         self.kv: dict[tuple[int, int], int] = {}
-        self.plans: list[StepPlan] = []
+        self.plans: list[SchedulerOutput] = []
 
     def submit(self, prompt: list[int], max_tokens: int = 4, n: int = 1, **seq_fields) -> list[Sequence]:
         total = self.sched.check_fits(len(prompt), max_tokens)
@@ -59,7 +53,7 @@ class FakeEngine:
             self.sched.add(seq)
         return seqs
 
-    def step(self) -> StepPlan:
+    def step(self) -> SchedulerOutput:
         plan = self.sched.schedule()
         for chunk in plan.prefills:
             self._compute(chunk.seq, chunk.start, chunk.end)

@@ -3,7 +3,7 @@ bfloat16 inputs (the decoder and the engine on it: tests/engine/test_matmul_back
 
 The kernel adds float32 products in its own order and rounds once to bfloat16, so each output must
 lie within one bfloat16 rounding (2^-8 relative) plus float32 summation error of the exact sum; a
-wrong column order, a dropped tail, or a read of the wrong layer is far outside that.
+wrong column order or a dropped tail is far outside that.
 """
 
 from __future__ import annotations
@@ -53,31 +53,16 @@ def test_products_match_float64_sums(m, k, n):
     _check(got_t, x, w)
 
 
-def test_stacked_weights_read_only_the_given_layer():
-    """A layer of a stacked [L, K, N] / [L, N, K] weight, picked by a traced index inside a loop
-    (as the engine's layer scan does); the other layers are NaN, so reading them would show."""
+def test_leading_dims_are_rows():
+    """x [..., K] with several leading dims: they are flattened into rows and restored."""
     rng = np.random.default_rng(7)
-    layers, m, k, n = 4, 6, 96, 64
-    x = _bf16(rng, 2, 3, k)  # leading dims are flattened into rows
-    good = [_bf16(rng, k, n) for _ in range(layers)]
-    nan = jnp.full((k, n), jnp.nan, jnp.bfloat16)
-
-    for layer in range(layers):
-        stacked = jnp.stack([good[i] if i == layer else nan for i in range(layers)])
-        stacked_t = jnp.swapaxes(stacked, 1, 2)
-        got = jax.jit(lambda x, w, i: cpu_matmul.matmul(x, w, i))(x, stacked, jnp.int32(layer))
-        got_t = jax.jit(lambda x, w, i: cpu_matmul.matmul_transposed(x, w, i))(x, stacked_t, jnp.int32(layer))
-        assert got.shape == got_t.shape == (2, 3, n)
-        _check(got.reshape(m, n), x.reshape(m, k), good[layer])
-        _check(got_t.reshape(m, n), x.reshape(m, k), good[layer])
-
-    def loop(x, w):  # every layer in turn, the index a loop variable
-        return jax.lax.fori_loop(0, layers, lambda i, acc: acc + cpu_matmul.matmul(x, w, i).astype(jnp.float32),
-                                 jnp.zeros((2, 3, n), jnp.float32))
-
-    total = jax.jit(loop)(x, jnp.stack(good))
-    expect = sum(np.asarray(x, np.float64).reshape(m, k) @ np.asarray(g, np.float64) for g in good)
-    np.testing.assert_allclose(np.asarray(total).reshape(m, n), expect, rtol=0.02, atol=0.02 * np.abs(expect).max())
+    m, k, n = 6, 96, 64
+    x, w = _bf16(rng, 2, 3, k), _bf16(rng, k, n)
+    got = jax.jit(cpu_matmul.matmul)(x, w)
+    got_t = jax.jit(cpu_matmul.matmul_transposed)(x, jnp.asarray(np.asarray(w).T))
+    assert got.shape == got_t.shape == (2, 3, n)
+    _check(got.reshape(m, n), x.reshape(m, k), w)
+    _check(got_t.reshape(m, n), x.reshape(m, k), w)
 
 
 def test_what_the_kernel_does_not_cover_goes_to_xla():
@@ -90,25 +75,20 @@ def test_what_the_kernel_does_not_cover_goes_to_xla():
     x32, w32 = big[:4].astype(jnp.float32), w.astype(jnp.float32)
     assert not cpu_matmul.supports(x32, w32)
     np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x32, w32)), np.asarray(x32 @ w32))
-    stacked = jnp.stack([w, w * 2])
-    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul_transposed(big, jnp.swapaxes(stacked, 1, 2), 1)),
-                                  np.asarray(big @ (w * 2)))
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul_transposed(big, w.T)),
+                                  np.asarray(jnp.einsum("mk,nk->mn", big, w.T)))
 
 
 def test_edges_and_bad_shapes():
-    """K = 0 (XLA's zeros: the kernel leaves it to XLA), an out-of-range layer (clamped into
-    [0, L), the same layer on both paths), and shapes that do not fit together (refused while
-    tracing, on both paths)."""
+    """K = 0 (XLA's zeros: the kernel leaves it to XLA), and shapes that do not fit together
+    (refused while tracing, on both paths)."""
     rng = np.random.default_rng(5)
     empty = jax.jit(cpu_matmul.matmul)(jnp.zeros((3, 0), jnp.bfloat16), jnp.zeros((0, 5), jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((3, 5)))
-    w = jnp.stack([_bf16(rng, 16, 8) for _ in range(3)])
+    w = _bf16(rng, 16, 8)
     for rows in (4, cpu_matmul.MAX_ROWS + 4):  # the kernel and the fallback
         x = _bf16(rng, rows, 16)
-        for layer, used in ((7, 2), (-1, 0)):
-            got = jax.jit(lambda x, w, i: cpu_matmul.matmul(x, w, i))(x, w, jnp.int32(layer))
-            _check(got, x, w[used])
-        with pytest.raises(ValueError, match="stacked 3-D"):
-            cpu_matmul.matmul(x, w)  # a stack without a layer
+        with pytest.raises(ValueError, match="2-D weight"):
+            cpu_matmul.matmul(x, jnp.stack([w, w]))  # a stacked weight
         with pytest.raises(ValueError, match="disagree on K"):
-            cpu_matmul.matmul_transposed(x, w[0])  # [16, 8] is [N, K] with K = 8, not 16
+            cpu_matmul.matmul_transposed(x, w)  # [16, 8] is [N, K] with K = 8, not 16

@@ -2,7 +2,7 @@
 
 On the CPU the kernels run interpreted (the GPU flavour by the generic Pallas interpreter, the TPU
 flavour in TPU interpret mode with out-of-bounds reads raising), over the engine's stacked
-[layers, kv_heads, pages, page_size, head_dim] cache with the layer index of the decoder's scan.
+[layers, kv_heads, pages, page_size, head_dim] cache with the layer index of the decoder's loop.
 The workload crosses chunked prefill (a 19-token prompt through a 16-token budget), prefix-cache
 hits (a second round of the same prompts), decode buckets (the decode kernel) and prefill buckets
 (the ragged kernel); the models cover GQA ratios 2 and 4, soft-capping and sliding windows longer
@@ -20,7 +20,8 @@ import pytest
 import pallas_kernels
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine import attention
-from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion
+from jaxserve.engine.build import EngineConfig, build_engine
+from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
@@ -62,14 +63,13 @@ def cache_copies(engine: Engine) -> list[str]:
     k = engine.runner.kv.k
     shape = re.escape(f"{jnp.dtype(k.dtype).name.replace('float', 'f')}[{','.join(map(str, k.shape))}]")
     pattern = re.compile(rf"= {shape}\{{[^}}]*\}} copy(-start)?\(")
-    return [line.strip()[:200] for exe in engine.runner._compiled.values() for line in exe.as_text().splitlines()
+    return [line.strip()[:200] for exe in engine.runner.compiled_steps.values() for line in exe.as_text().splitlines()
             if pattern.search(line)]
 
 
 def generate(model, tokenizer, backend: str) -> list[list[list[int]]]:
     """Greedy outputs of two rounds of PROMPTS (the second hits the prefix cache)."""
-    engine = Engine(model, tokenizer, dataclasses.replace(CONFIG, attention_backend=backend))
-    engine.compile()
+    engine = build_engine(model, tokenizer, dataclasses.replace(CONFIG, attention_backend=backend))
     if not attention.is_interpreted(backend):  # the Pallas interpreter itself copies its inputs
         assert cache_copies(engine) == []
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -154,15 +154,17 @@ def test_cli_accepts_pallas_backend(tmp_path):
     assert config_from_args(parse_args(["--model", str(tmp_path)])).attention_backend == "auto"
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 2, 0]], ids=["decode", "prefill-shaped-like-decode"])
-def test_paged_attend_decode_bucket_takes_the_right_kernel(q_lens, monkeypatch):
-    """A bucket with tokens == seqs is decode only if every live sequence has one token: then the
-    decode kernel runs, else the ragged one; both must equal the reference (and write the same K/V)."""
+@pytest.mark.parametrize("decode", [True, False], ids=["decode-step", "ragged-step"])
+def test_paged_attention_takes_the_kernel_of_its_step(decode, monkeypatch):
+    """A decode step (one token per sequence) runs the decode kernel, any other step the ragged one
+    (here a step shaped like decode, tokens == seqs, that is not); both must equal the reference
+    (and write the same K/V)."""
     import jax
     import numpy as np
 
     from jaxserve.engine.kv_cache import KVCache
 
+    q_lens = [1, 1, 1] if decode else [1, 2, 0]
     rng = np.random.default_rng(0)
     layers, kv_heads, q_heads, pages, page, dim, seqs = 2, 2, 4, 13, 4, 16, 4  # seqs: 3 live + 1 padding
     kv_lens = np.array([5, 9, 3, 0], np.int32)
@@ -177,12 +179,11 @@ def test_paged_attend_decode_bucket_takes_the_right_kernel(q_lens, monkeypatch):
                       for _ in range(2)))
     q = jnp.asarray(rng.standard_normal((1, seqs, q_heads, dim)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, seqs, kv_heads, dim)), jnp.float32) for _ in range(2))
-    assert bool(attention.decode_only(jnp.asarray(cu), jnp.int32(3))) == (q_lens == [1, 1, 1])
 
     def run(backend):
-        attend = attention.paged_attend(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(cu),
-                                        jnp.asarray(kv_lens), jnp.int32(3), scale=0.25, softcap=None,
-                                        page_size=page, backend=backend)
+        attend = attention.paged_attention(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(cu),
+                                           jnp.asarray(kv_lens), jnp.int32(3), scale=0.25, softcap=None,
+                                           backend=backend, decode=decode)
         return jax.jit(lambda c: attend(q, k, v, c, jnp.int32(0), jnp.int32(1)))(cache)
 
     (ref_out, ref_cache), (out, new_cache) = run("reference"), run("pallas_gpu")
@@ -190,8 +191,8 @@ def test_paged_attend_decode_bucket_takes_the_right_kernel(q_lens, monkeypatch):
     np.testing.assert_array_equal(np.asarray(new_cache.k), np.asarray(ref_cache.k))
     np.testing.assert_array_equal(np.asarray(out)[0, sum(q_lens):], 0.0)  # padding rows
 
-    # Which kernel ran: a marked stand-in for the decode kernel shows up only in the decode batch.
+    # Which kernel ran: a marked stand-in for the decode kernel shows up only in the decode step.
     marker = lambda q, *args, **kwargs: jnp.full_like(q, 7.0)  # noqa: E731
     monkeypatch.setattr(pallas_kernels, "get_decode_attention", lambda backend: marker)
     marked = np.asarray(run("pallas_gpu")[0])
-    assert (marked == 7.0).all() if q_lens == [1, 1, 1] else not (marked == 7.0).any()
+    assert (marked == 7.0).all() if decode else not (marked == 7.0).any()

@@ -23,14 +23,14 @@ pytestmark = pytest.mark.slow
 NAMES = ("llama3", "qwen2", "gemma2")
 SIZES = (1, 2, 4, 8)
 
-# label -> (logical axis, index of the split dimension in the stacked parameter)
+# label -> (logical axis, index of the split dimension in the parameter; layers' are [in, out])
 SPLIT = {
     "embed_tokens": ("vocab_size", 0),
-    "q_proj": ("num_attention_heads", 2),
-    "k_proj": ("num_key_value_heads", 2),
-    "o_proj": ("num_attention_heads", 1),
-    "gate_proj": ("intermediate_size", 2),
-    "down_proj": ("intermediate_size", 1),
+    "q_proj": ("num_attention_heads", 1),
+    "k_proj": ("num_key_value_heads", 1),
+    "o_proj": ("num_attention_heads", 0),
+    "gate_proj": ("intermediate_size", 1),
+    "down_proj": ("intermediate_size", 0),
     "input_layernorm": (None, None),
     "kv_k": ("num_key_value_heads", 1),
 }

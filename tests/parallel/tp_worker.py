@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from jaxserve.engine.engine import Engine, EngineConfig, run_to_completion  # noqa: E402
+from jaxserve.engine.build import EngineConfig, build_engine  # noqa: E402
+from jaxserve.engine.core import run_to_completion  # noqa: E402
 from jaxserve.engine.request import SamplingParams  # noqa: E402
 from jaxserve.models.reference import greedy_reference  # noqa: E402
 from jaxserve.parallel import ShardingPlan, make_mesh, mesh_of, param_sharding_for  # noqa: E402
@@ -48,12 +49,12 @@ CONFIG = EngineConfig(
 )
 INSPECT = {  # parameters whose layout the test checks
     "embed_tokens": ("embed_tokens",),
-    "q_proj": ("layers", "self_attn", "q_proj", "kernel"),
-    "k_proj": ("layers", "self_attn", "k_proj", "kernel"),
-    "o_proj": ("layers", "self_attn", "o_proj", "kernel"),
-    "gate_proj": ("layers", "mlp", "gate_proj", "kernel"),
-    "down_proj": ("layers", "mlp", "down_proj", "kernel"),
-    "input_layernorm": ("layers", "input_layernorm", "weight"),
+    "q_proj": ("layers", 1, "self_attn", "q_proj", "kernel"),
+    "k_proj": ("layers", 1, "self_attn", "k_proj", "kernel"),
+    "o_proj": ("layers", 1, "self_attn", "o_proj", "kernel"),
+    "gate_proj": ("layers", 1, "mlp", "gate_proj", "kernel"),
+    "down_proj": ("layers", 1, "mlp", "down_proj", "kernel"),
+    "input_layernorm": ("layers", 1, "input_layernorm", "weight"),
 }
 
 
@@ -87,8 +88,7 @@ def run(name: str, sizes: list[int], work: Path) -> dict:
         model = load_model(directory, "float32", use_cache=False, sharding_for=sharding_for).model
         if tp == 1:
             report["reference"] = greedy_reference(model, PROMPTS, MAX_TOKENS)
-        engine = Engine(model, tokenizer, CONFIG)
-        engine.compile()
+        engine = build_engine(model, tokenizer, CONFIG)
         outputs = []
         for round_ in range(2):  # the second round hits the prefix cache
             ids = [f"{round_}-{i}" for i in range(len(PROMPTS))]
@@ -106,7 +106,7 @@ def run(name: str, sizes: list[int], work: Path) -> dict:
                 node = node[key]
             entry[label] = layout(node)
         entry["kv_k"] = layout(engine.runner.kv.k)
-        entry["collectives"] = sorted({shape for c in engine.runner._compiled.values() for shape in collectives(c)})
+        entry["collectives"] = sorted({shape for c in engine.runner.compiled_steps.values() for shape in collectives(c)})
         entry["param_shapes"] = sorted({tuple(a.shape) for a in jax.tree.leaves(pure)})
         entry["preemptions"] = engine.num_preemptions
         mesh = mesh_of(engine.runner.params)

@@ -1,5 +1,5 @@
 """Running the real server in tests: Hypercorn on a free port in a background thread, and the
-small engine grid the server tests share."""
+small engine grid the server tests share, built by the production start-up (jaxserve.startup)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,32 @@ import time
 
 import httpx
 
-from jaxserve.config import CacheConfig, SchedulerConfig
+from pathlib import Path
+
+from jaxserve.config import CacheConfig, Config, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.engine import EngineConfig
+from jaxserve.engine.core import Engine
 from jaxserve.server.app import serve_async
+from jaxserve.startup import start_engine
+from smollm2 import smollm2_gguf
 
 MODEL = "smollm2"
 API_KEY = "sk-test-key"
-SMALL = EngineConfig(
-    cache=CacheConfig(page_size=16, num_pages=160),
-    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2, max_model_len=512),
-)
+MAX_MODEL_LEN = 512
+
+
+def small_engine(cache_dir: Path, **scheduler: int) -> Engine:
+    """SmolLM2 in float32 on a small grid, started exactly as `python -m jaxserve` starts a server
+    (a mesh of one device, the CPU kernels where they build, the compilation cache)."""
+    config = Config(
+        model=ModelConfig(model=str(smollm2_gguf()), served_model_name=MODEL, dtype="float32",
+                          max_model_len=MAX_MODEL_LEN, cache_dir=cache_dir),
+        parallel=ParallelConfig(), server=ServerConfig(),
+        cache=CacheConfig(page_size=16, num_pages=160),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2, **scheduler),
+        compilation_cache_dir=cache_dir / "xla",
+    )
+    return start_engine(config)[0]
 
 
 @dataclasses.dataclass
@@ -73,9 +88,9 @@ def start_server(app) -> LiveServer:
 def wait_idle(async_engine: AsyncEngine, timeout: float = 30.0) -> None:
     """Wait until no request is left in the engine (its thread then only waits for commands)."""
     deadline = time.monotonic() + timeout
-    while async_engine.num_requests or async_engine.engine.has_unfinished() or async_engine.engine.requests:
+    while async_engine.num_requests or async_engine.engine.has_unfinished() or async_engine.stats.request_ids:
         if time.monotonic() > deadline:
             raise AssertionError(f"engine still busy: {async_engine.num_requests} streams, "
-                                 f"{len(async_engine.engine.requests)} requests")
+                                 f"{len(async_engine.stats.request_ids)} requests")
         time.sleep(0.05)
     time.sleep(0.6)  # let the engine thread drain pending abort commands

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.output import CompletionOutput, RequestOutput
-from jaxserve.engine.request import RequestTooLongError, SamplingParams
+from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import RequestTooLongError
 from jaxserve.server.app import create_app
 
 
@@ -32,11 +33,11 @@ class FailingEngine:
 
     error = None
 
+    info = EngineInfo(architecture="FakeForCausalLM", vocab_size=256, eos_ids=(0,), max_model_len=100, max_n=8, max_num_seqs=4, page_size=16,
+                      num_pages=8, decode_steps=1)
+    stats = Stats(num_usable_pages=8)
+
     def __init__(self) -> None:
-        alloc = types.SimpleNamespace(num_used_pages=0, num_usable_pages=8, prefix_cache_hit_rate=0.0)
-        sched = types.SimpleNamespace(num_running=0, num_waiting=0)
-        self.engine = types.SimpleNamespace(allocator=alloc, scheduler=sched, num_preemptions=0, vocab_size=256,
-                                            requests={})
         self.aborted: list[str] = []
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
@@ -51,6 +52,9 @@ class FailingEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def abort_all(self) -> None:
+        self.aborted.append("*")
 
 
 def _post(path: str, body: dict) -> tuple[int, bytes, FailingEngine]:

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from live_server import MODEL, SMALL, start_server, wait_idle
+from live_server import MAX_MODEL_LEN, MODEL, start_server, wait_idle
 from jaxserve.server.app import create_app
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ def test_openapi_lists_every_route(server):
 
 
 def test_graceful_shutdown(async_engine, smollm2_tokenizer):
-    app = create_app(async_engine, smollm2_tokenizer, MODEL, SMALL.scheduler.max_model_len)
+    app = create_app(async_engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN)
     live = start_server(app)  # shutdown_timeout 2 s
     results: dict[str, list[str]] = {}
     started = threading.Barrier(3)

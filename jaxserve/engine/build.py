@@ -1,0 +1,148 @@
+"""The one place that wires and sizes a generation engine: KV pages, buckets, the device batch,
+the multi-host channel and the ahead-of-time compile. The server, `jaxserve.LLM`, the benchmarks
+and the tests all build engines here, so they run what production runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.buckets import BucketTable
+from jaxserve.engine.core import Engine
+from jaxserve.engine.info import EngineInfo
+from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
+from jaxserve.engine.pages import PageAllocator
+from jaxserve.engine.rows import row_params
+from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_inputs import StepInputBuilder
+from jaxserve.models.decoder import Decoder
+from jaxserve.parallel import ShardingPlan, mesh_of
+from jaxserve.parallel.multihost import StepChannel, smallest_over_processes
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu | cpu (auto resolved by the caller)
+    matmul_backend: str = "xla"  # xla | cpu (auto resolved by the caller: jaxserve.models.products)
+    max_n: int = 128  # most samples (n / best_of) per request
+    # Start step N+1 before turning step N's tokens into text (see Engine.step); False runs each
+    # step to the end before the next starts (same tokens and text, for measuring the overlap).
+    overlap: bool = True
+    check_integrity: bool = True  # check the scheduler's invariants whenever the engine goes idle
+
+
+def enable_compilation_cache(directory: Path) -> None:
+    """JAX's persistent compilation cache: a warm start-up reads compiled steps from disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_engine(decoder: Decoder, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
+                 compile: bool = True) -> Engine:
+    """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
+    call `compile_engine`)."""
+    cfg = decoder.cfg
+    sched = config.scheduler
+    if sched.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    eos_ids = tuple(sorted(set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+    builder = _input_builder(decoder, config, eos_ids)
+    reserve = 0
+    if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
+        reserve = step_scratch_bytes(decoder, config)
+    num_pages = _num_pages(decoder, config, reserve)
+    runner = _runner(decoder, config, num_pages)
+    if jax.process_count() > 1:
+        # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
+        runner.channel = StepChannel(builder.keys(), builder.abstract)
+    page_size = config.cache.page_size
+    allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
+    info = EngineInfo(architecture=cfg.architecture, vocab_size=cfg.vocab_size, eos_ids=eos_ids, max_model_len=sched.max_model_len,
+                      max_n=config.max_n, max_num_seqs=sched.max_num_seqs, page_size=page_size,
+                      num_pages=num_pages, decode_steps=sched.decode_steps)
+    engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
+                    overlap=config.overlap)
+    if config.check_integrity:
+        engine.on_idle = engine.check_idle_integrity
+    if compile:
+        compile_engine(engine)
+    return engine
+
+
+def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> StepInputBuilder:
+    sched = config.scheduler
+    return StepInputBuilder(
+        num_slots=sched.max_num_seqs + 1,  # + the padding rows' slot
+        vocab_size=decoder.cfg.vocab_size, page_size=config.cache.page_size,
+        max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),
+        max_prefill_seqs=sched.max_prefill_seqs, decode_steps=sched.decode_steps,
+        row_params=lambda seq: row_params(seq, eos_ids))
+
+
+def _runner(decoder: Decoder, config: EngineConfig, num_pages: int) -> ModelRunner:
+    sched = config.scheduler
+    return ModelRunner(decoder, num_pages, config.cache.page_size,
+                       math.ceil(sched.max_model_len / config.cache.page_size), sched.max_num_seqs + 1,
+                       attention_backend=config.attention_backend, matmul_backend=config.matmul_backend,
+                       decode_steps=sched.decode_steps)
+
+
+def compile_engine(engine: Engine) -> float:
+    """Compile every command shape ahead of time; returns the total seconds."""
+    start = time.perf_counter()
+    runner: ModelRunner = engine.runner  # type: ignore[assignment]
+    engine.compile_seconds = runner.compile(engine.builder.keys(), engine.builder.abstract)
+    if runner.channel is not None:
+        runner.channel.warm_up()
+    return time.perf_counter() - start
+
+
+def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int) -> int:
+    """--num-pages, or what the memory left after the weights, the device batch and the step's
+    scratch (`reserve_bytes`) holds; every process of a multi-host job takes the smallest answer."""
+    cfg = decoder.cfg
+    mesh = mesh_of(nnx.state(decoder))
+    kv_shards = ShardingPlan(mesh, cfg).kv_shards if mesh is not None else 1
+    device = jax.local_devices()[0]
+    num_pages = smallest_over_processes(num_pages_for(config.cache, cfg, decoder.dtype, device, kv_shards,
+                                                      reserve_bytes))
+    page_size = config.cache.page_size
+    log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
+             num_pages * bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards / 2**20,
+             f" per device, split {kv_shards} ways" if kv_shards > 1 else "")
+    return num_pages
+
+
+def step_scratch_bytes(decoder: Decoder, config: EngineConfig) -> int:
+    """The most scratch (temp) memory one step needs, read from XLA's memory analysis of the
+    largest prefill and decode steps compiled against a tiny cache, plus headroom. The KV cache is
+    sized from what is left, so a step can never run out of memory mid-serving (vLLM profiles a
+    forward pass for the same reason)."""
+    builder = _input_builder(decoder, config)
+    probe = _runner(decoder, config, builder.max_pages_per_seq + 1)
+    keys = builder.keys()
+    largest = [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in ("prefill", "decode")]
+    start = time.perf_counter()
+    probe.compile(largest, builder.abstract)
+    scratch = max(c.memory_analysis().temp_size_in_bytes for c in probe.compiled_steps.values())
+    log.info("step scratch memory: %.2f GiB (largest steps, measured in %.1fs); set aside before sizing "
+             "the KV cache", scratch / 2**30, time.perf_counter() - start)
+    del probe
+    return int(scratch * 1.1) + 256 * 2**20  # headroom for allocator fragmentation

@@ -1,0 +1,267 @@
+"""The engine loop: requests in, output deltas out (no jax).
+
+One `step()` is schedule -> execute -> update_from_output. The scheduler (host) emits the step's
+diff (`SchedulerOutput`); the input builder turns it into fixed-shape commands and the runner (the
+only owner of device arrays, passed in) runs them; `update_from_output` takes each row's 0..K
+sampled tokens into its sequence (jaxserve.engine.postprocess owns every way a sequence ends) and
+advances the scheduler. The text side (detokenizing, stop strings, deltas) of step N runs while
+the device computes step N+1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from jaxserve.engine.info import EngineInfo, Stats
+from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
+from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
+from jaxserve.engine.request import SamplingParams, Sequence
+from jaxserve.errors import InvalidRequestError
+from jaxserve.engine.rows import MAX_BANNED_IDS
+from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
+from jaxserve.engine.step_inputs import PromptTargets, StepCommands, StepInputBuilder
+from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class Runner(Protocol):
+    """The device side (jaxserve.engine.runner.ModelRunner): runs a step's commands."""
+
+    def execute(self, step: StepCommands) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose outputs have not been read, and the prompt logprobs it computes."""
+
+    out: SchedulerOutput
+    handle: Any
+    prompt_targets: list[PromptTargets | None]
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, builder: StepInputBuilder, runner: Runner, tokenizer: Tokenizer,
+                 info: EngineInfo, overlap: bool = True, on_idle: Callable[[], None] | None = None):
+        """overlap: start step N+1 before turning step N's tokens into text (see `step`); False
+        runs each step to the end before the next starts (same tokens and text). on_idle runs
+        whenever the engine has just become idle (the integrity check)."""
+        self.scheduler = scheduler
+        self.builder = builder
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.info = info
+        self.overlap = overlap
+        self.on_idle = on_idle
+        self.eos_ids = set(info.eos_ids)
+        self.post = Postprocessor(self.eos_ids, scheduler.finish)
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.stats = Stats()
+        self.compile_seconds: dict[Any, float] = {}  # per compiled command shape (jaxserve.engine.build)
+        self._in_flight: _InFlight | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Validate and queue. Raises InvalidRequestError (bad parameter) or RequestTooLongError."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        validate_prompt(prompt_ids, self.info.vocab_size)
+        params.validate(self.info.vocab_size, self.info.max_n)
+        banned = len(params.bad_words_ids or []) + len(params.stop_token_ids) + len(self.eos_ids)
+        if banned > MAX_BANNED_IDS:
+            raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")
+        max_total = self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        base_seed = params.seed if params.seed is not None else secrets.randbits(32)
+        seqs, texts = [], []
+        for i in range(params.num_samples):
+            seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
+                           params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
+                           seed=(base_seed + i) % 2**32,
+                           matcher=params.grammar.matcher() if params.grammar is not None else None)
+            seqs.append(seq)
+            texts.append(SequenceText(seq, self.tokenizer))
+        req = Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_ids)
+        self.requests[request_id] = req
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self._publish()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its pages and slots are free before the next step."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)  # finishes every sample with FinishReason.ABORT
+        want_logprobs = req.params.logprobs is not None
+        outputs = [text.delta(seq, i, want_logprobs) for i, (seq, text) in enumerate(zip(req.seqs, req.texts))]
+        self._publish()
+        return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True, req.seqs[0].num_cached_tokens)
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for request_id in list(self.requests) if (out := self.abort(request_id)) is not None]
+
+    def has_unfinished(self) -> bool:
+        """Whether step() has work: queued or running sequences, or a dispatched step still
+        carrying a live sequence's tokens."""
+        if self.scheduler.has_unfinished():
+            return True
+        flight = self._in_flight
+        return flight is not None and any(not s.is_finished for s in _sampling_seqs(flight.out))
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: read the tokens of the step in flight, schedule and dispatch the
+        next step, then turn the tokens into text and output deltas while the device runs it.
+
+        Everything the next step's inputs depend on (the token ids, grammar states, penalties,
+        EOS / stop-token / length endings) is settled before it is scheduled; only the text work
+        (incremental detokenizing, stop strings, logprob objects, deltas) overlaps it. A stop
+        string found there ends its sequence one step late: the tokens the next step computes for
+        it are dropped unread, and its pages are freed before any later step is planned."""
+        accepted = self._complete()
+        self._dispatch()
+        if not self.overlap:
+            accepted += self._complete()
+        outputs = self.post.emit(accepted, self.requests)
+        self._publish()
+        if self.on_idle is not None and not self.has_unfinished():
+            self.on_idle()
+        return outputs
+
+    def _dispatch(self) -> None:
+        out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
+        if not out.prefills and not out.decodes:
+            return
+        self.num_steps += 1
+        targets = [self._prompt_targets(c) for c in out.prefills]
+        commands = self.builder.build(out, targets, grammar_mask=lambda seq, mask: seq.matcher.fill_mask(mask))
+        self._in_flight = _InFlight(out, self.runner.execute(commands), targets)
+
+    def _complete(self) -> list[Accepted]:
+        """Wait for the step in flight (if any) and update from its outputs."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        return self.update_from_output(flight)
+
+    def update_from_output(self, flight: _InFlight) -> list[Accepted]:
+        """Take each sampling row's tokens into its sequence, then advance the scheduler."""
+        out, accepted = flight.out, []
+        decoded: dict[Sequence, int] = {}
+        if out.prefills:
+            prefill = flight.handle.prefill_output()
+            if any(t is not None for t in flight.prompt_targets):
+                self._store_prompt_logprobs(out.prefills, flight.prompt_targets, prefill.prompt)
+            for row, chunk in enumerate(out.prefills):
+                if chunk.samples:
+                    accepted += self._accept(chunk.seq, prefill, row, 1)
+        if out.decodes:
+            decode = flight.handle.decode_output()
+            for row, seq in enumerate(out.decodes):
+                taken = self._accept(seq, decode, row, int(decode.num_sampled[row]))
+                decoded[seq] = sum(a.token is not None for a in taken)
+                accepted += taken
+        self.scheduler.advance(out, decoded)
+        return accepted
+
+    def _accept(self, seq: Sequence, output: Any, row: int, count: int) -> list[Accepted]:
+        if seq.is_finished:  # aborted, or ended by a stop string, while the step ran
+            return []
+        s = output.sample
+        want = seq.params.logprobs
+        tops: list[Any] = [None] * count
+        if want:
+            tops = [[(int(i), float(v)) for i, v in zip(s.top_ids[k, row][:want], s.top_logprobs[k, row][:want])]
+                    for k in range(count)]
+        return self.post.accept(seq, s.token[:count, row].tolist(), s.logprob[:count, row].tolist(), tops)
+
+    # ---- prompt logprobs ---------------------------------------------------------------------
+    def _prompt_targets(self, chunk: PrefillChunk) -> PromptTargets | None:
+        """For each computed position p, the prompt token p+1 whose logprob it yields (or -1)."""
+        seq = chunk.seq
+        req = self.requests.get(seq.request_id)
+        if req is None or req.prompt_logprobs is None or seq.sample_index != 0 or req.prompt_logprobs_sent:
+            return None
+        first = max(seq.params.prompt_logprobs_start, 1)
+        n = seq.num_prompt_tokens
+        targets = [seq.token_ids[p + 1] if first <= p + 1 < n else -1 for p in range(chunk.start, chunk.end)]
+        if all(t < 0 for t in targets):
+            return None
+        return targets, seq.params.prompt_logprobs or 0
+
+    def _store_prompt_logprobs(self, chunks: list[PrefillChunk], targets: list[PromptTargets | None], prompt: Any) -> None:
+        row = 0
+        for chunk, target in zip(chunks, targets):
+            req = self.requests.get(chunk.seq.request_id) if target is not None else None
+            if req is not None:  # (None: no logprobs asked here, or aborted while the step ran)
+                ids, n_top = target
+                for i, tid in enumerate(ids):
+                    if tid >= 0:
+                        r = row + i
+                        top = [(int(a), float(b)) for a, b in zip(prompt.top_ids[r][:n_top], prompt.top_logprobs[r][:n_top])]
+                        req.prompt_logprobs[chunk.start + i + 1] = TokenLogprob(tid, float(prompt.logprob[r]), top)
+            row += chunk.num_tokens
+
+    # ---- what the server sees ---------------------------------------------------------------------
+    def _publish(self) -> None:
+        alloc = self.scheduler.allocator
+        self.stats = Stats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_used_pages=alloc.num_used_pages, num_usable_pages=alloc.num_usable_pages,
+            prefix_cache_hit_rate=alloc.prefix_cache_hit_rate, num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps, request_ids=frozenset(self.requests),
+        )
+
+    def close(self) -> None:
+        """After the last step (from the thread that ran the steps): a multi-host job's other
+        processes are told to stop."""
+        self.runner.close()
+
+    def check_idle_integrity(self) -> None:
+        """The scheduler's invariants; when nothing runs or waits, free + cached pages == all pages."""
+        self.scheduler.check_idle_integrity()
+
+
+def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
+    return [c.seq for c in out.prefills if c.samples] + out.decodes
+
+
+def validate_prompt(prompt_ids: list[int], vocab_size: int) -> None:
+    """A prompt the model can read: not empty, every id inside the vocabulary."""
+    if not prompt_ids:
+        raise InvalidRequestError("prompt", "the prompt is empty")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def run_to_completion(
+    engine: Engine, request_ids: Iterable[str], on_finished: Callable[[str], None] | None = None
+) -> dict[str, RequestOutput]:
+    """Step until the given requests finish; returns their accumulated outputs (on_finished is
+    called with each request id as it finishes, e.g. to move a progress bar)."""
+    pending = set(request_ids)
+    results: dict[str, RequestOutput] = {}
+    while pending:
+        deltas = engine.step()
+        if not deltas and not engine.has_unfinished():
+            raise RuntimeError(f"requests {sorted(pending)} never finished")
+        for d in deltas:
+            results.setdefault(d.request_id, dataclasses.replace(d, outputs=[])).merge(d)
+            if d.finished:
+                pending.discard(d.request_id)
+                if on_finished is not None:
+                    on_finished(d.request_id)
+    return results

@@ -1,0 +1,39 @@
+"""What the server may know of the engine, without reaching into it (no jax).
+
+`EngineInfo` is fixed at start-up; `Stats` is a snapshot the engine thread publishes after every
+step (one attribute assignment, so a reader on the event loop always sees a whole, consistent
+snapshot, at most one step old).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    architecture: str  # the checkpoint's (e.g. LlamaForCausalLM)
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_model_len: int
+    max_n: int  # most samples (n / best_of) per request
+    max_num_seqs: int
+    page_size: int
+    num_pages: int
+    decode_steps: int  # most decode iterations one device step runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    num_running: int = 0  # sequences in the running batch
+    num_waiting: int = 0  # sequences waiting for admission
+    num_used_pages: int = 0
+    num_usable_pages: int = 1
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served by the prefix cache / tokens looked up
+    num_preemptions: int = 0  # sequences preempted (recomputed) so far
+    num_steps: int = 0  # device steps run so far
+    request_ids: frozenset[str] = frozenset()  # requests in the engine
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_pages / max(1, self.num_usable_pages)

@@ -1,0 +1,124 @@
+"""The step's diff as the device takes it (jaxserve.engine.step_inputs), on the host only: what a
+step sends does not depend on max_model_len, page-table entries go once, a new row carries its
+parameters and penalty state, and every command fits the shape the runner compiled for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.engine.buckets import BucketTable
+from jaxserve.engine.pages import PageAllocator
+from jaxserve.engine.request import FinishReason, SamplingParams, Sequence
+from jaxserve.engine.rows import row_params
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.step_inputs import StepInputBuilder
+
+VOCAB = 49152
+PAGE = 16
+EOS = (2,)
+
+
+def _setup(max_model_len: int, batch: int, decode_steps: int = 1) -> tuple[Scheduler, StepInputBuilder]:
+    sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=256, max_prefill_seqs=4,
+                            max_model_len=max_model_len, decode_steps=decode_steps)
+    scheduler = Scheduler(sched, PageAllocator(4096, PAGE), PAGE)
+    builder = StepInputBuilder(num_slots=batch + 1, vocab_size=VOCAB, page_size=PAGE,
+                               max_pages_per_seq=-(-max_model_len // PAGE), buckets=BucketTable(sched),
+                               max_prefill_seqs=4, decode_steps=decode_steps,
+                               row_params=lambda seq: row_params(seq, EOS))
+    return scheduler, builder
+
+
+def _seq(i: int, params: SamplingParams, prompt_len: int = 20) -> Sequence:
+    prompt = [100 + (i * 7 + j) % 500 for j in range(prompt_len)]
+    return Sequence(request_id=f"r{i}", token_ids=prompt, num_prompt_tokens=prompt_len, params=params,
+                    max_total_tokens=prompt_len + 200, seed=i)
+
+
+def _run(scheduler: Scheduler, builder: StepInputBuilder, steps: int) -> list:
+    """Schedule, build and "run" `steps` steps (every sampling row appends token 7)."""
+    out_steps = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        commands = builder.build(out, [None] * len(out.prefills))
+        for command in commands.commands:  # every payload has exactly its compiled shape
+            spec = builder.abstract(command.key)
+            assert command.payload.keys() == spec.keys()
+            for name, (shape, dtype) in spec.items():
+                assert command.payload[name].shape == shape and command.payload[name].dtype == dtype, name
+        out_steps.append((out, commands))
+        for seq in [c.seq for c in out.prefills if c.samples] + out.decodes:
+            seq.token_ids.append(7)
+        scheduler.advance(out)
+    return out_steps
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=200),
+                                    SamplingParams(max_tokens=200, repetition_penalty=1.2, presence_penalty=0.5,
+                                                   logit_bias={5: 1.0}, bad_words_ids=[[9]], stop_token_ids=[3])],
+                         ids=["plain", "penalised"])
+def test_what_a_step_sends_does_not_depend_on_max_model_len(params):
+    sent = {}
+    for max_len in (2048, 131072):
+        scheduler, builder = _setup(max_len, batch=64)
+        for i in range(64):
+            scheduler.add(_seq(i, params))
+        steps = _run(scheduler, builder, 60)
+        sent[max_len] = [commands.nbytes for _, commands in steps]
+        decode_only = [c.nbytes for out, c in steps if out.decodes and not out.prefills]
+        assert len(decode_only) > 20
+        # A steady decode step sends tokens, positions, slots and a few page entries: ~4 KiB at 64 rows.
+        assert max(decode_only) < 8 * 1024
+    assert sent[2048] == sent[131072]
+
+
+def test_page_entries_are_sent_once_and_new_rows_carry_their_state():
+    scheduler, builder = _setup(4096, batch=4)
+    penalised = SamplingParams(max_tokens=200, repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=3,
+                               logit_bias={11: -2.0}, bad_words_ids=[[12], [13, 14]], stop_token_ids=[4])
+    seq = _seq(0, penalised, prompt_len=40)
+    scheduler.add(seq)
+    steps = _run(scheduler, builder, 40)
+    rows = [c for _, cmds in steps for c in cmds.commands if c.key[0] == "rows"]
+    assert len(rows) == 1 and rows[0].payload["slots"][0] == seq.slot
+    row = {k: v[0] for k, v in rows[0].payload.items()}
+    assert row["repetition_penalty"] == np.float32(1.3) and row["min_tokens"] == 3
+    assert sorted(row["end_ids"][row["end_ids"] >= 0].tolist()) == [2, 4]  # EOS and the stop id
+    assert row["banned_ids"][row["banned_ids"] >= 0].tolist() == [12]  # the one-token bad word, always
+    assert row["bias_ids"][0] == 11 and row["bias_values"][0] == np.float32(-2.0)
+    tokens = [c for _, cmds in steps for c in cmds.commands if c.key[0] == "tokens"]
+    assert len(tokens) == 1 and tokens[0].payload["prompt"].sum() == 40  # the prompt, for the repetition penalty
+    # The two-token bad word bans 14 only after 13: its row's bans are sent with every step it samples.
+    bans = [c for _, cmds in steps for c in cmds.commands if c.key[0] == "bans"]
+    assert len(bans) == sum(1 for out, _ in steps if out.decodes or any(c.samples for c in out.prefills))
+    entries = []
+    for _, cmds in steps:
+        for c in cmds.commands:
+            p = c.payload
+            if c.key[0] in ("prefill", "decode"):
+                live = p["page_slots"] < builder.num_slots
+                entries += list(zip(p["page_slots"][live], p["page_index"][live], p["page_ids"][live]))
+    assert [(int(s), int(i), int(pg)) for s, i, pg in entries] == [(seq.slot, i, pg) for i, pg in enumerate(seq.pages)]
+
+
+def test_a_long_cached_prefix_sends_its_pages_before_the_step():
+    scheduler, builder = _setup(131072, batch=2)
+    first = _seq(0, SamplingParams(max_tokens=4), prompt_len=40000)
+    scheduler.add(first)
+    steps = _run(scheduler, builder, 1)
+    assert not any(c.key[0] == "pages" for c in steps[0][1].commands)  # a 256-token chunk: its own pages fit
+    while scheduler.has_unfinished():
+        _run(scheduler, builder, 1)
+        if first.num_output_tokens >= 4:
+            scheduler.finish(first, FinishReason.LENGTH)
+    # The same prompt again finds 2499 full pages in the prefix cache at once: more than a step carries.
+    twin = _seq(0, SamplingParams(max_tokens=4), prompt_len=40000)
+    twin.request_id = "twin"
+    scheduler.add(twin)
+    out = scheduler.schedule()
+    assert out.prefills[0].start == 39984
+    commands = builder.build(out, [None] * len(out.prefills)).commands
+    kinds = [c.key[0] for c in commands]
+    assert kinds.count("pages") == 3 and kinds.index("prefill") > max(i for i, k in enumerate(kinds) if k == "pages")
