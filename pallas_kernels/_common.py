@@ -25,6 +25,15 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 CHUNK_BYTES = 32 * 1024 * 1024
 
 
+def target_platform() -> str:
+    """The platform a kernel is being compiled for: the abstract mesh's devices when one is in
+    effect (ahead-of-time compiles for hardware that is not here: abstract TPU or GPU devices
+    under `jax.sharding.use_abstract_mesh`), else jax's default backend. "gpu" for CUDA and ROCm."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def concrete_or_none(x: Any) -> np.ndarray | None:
     """`x` as a NumPy array when its value is known now (not a tracer), else None."""
     if isinstance(x, jax.core.Tracer):

@@ -40,6 +40,7 @@ from pallas_kernels._common import (
     online_softmax_init,
     online_softmax_step,
     stacked_cache,
+    target_platform,
 )
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs every dimension >= 16
@@ -50,8 +51,9 @@ def _next_pow2(n: int) -> int:
 
 
 def default_interpret() -> bool:
-    """Run kernels in interpret mode unless a GPU is the default backend."""
-    return jax.default_backend() != "gpu"
+    """Run kernels in interpret mode unless compiling for a GPU (a real one, or abstract GPU
+    devices ahead of time)."""
+    return target_platform() != "gpu"
 
 
 def pages_per_block_for(pages_per_block: int | None, page_size: int, max_pages: int) -> int:

@@ -39,12 +39,14 @@ from pallas_kernels._common import (
     online_softmax_result,
     online_softmax_step,
     stacked_cache,
+    target_platform,
 )
 
 
 def default_interpret_params() -> pltpu.InterpretParams | bool:
-    """Interpret off-TPU, with out-of-bounds reads raising and uninitialised memory NaN."""
-    if jax.default_backend() == "tpu":
+    """Interpret unless compiling for a TPU (a real one, or abstract TPU devices ahead of time),
+    with out-of-bounds reads raising and uninitialised memory NaN."""
+    if target_platform() == "tpu":
         return False
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 

@@ -19,7 +19,7 @@ def compilation_cache(cache_dir):
     """JAX's persistent compilation cache for the run, as the server enables it: tests that build
     the same step shapes read them back instead of compiling them again. A run of host-only tests
     (tests/unit) never imports jax, so it is left alone then."""
-    if "jax" in sys.modules:
+    if sys.modules.get("jax") is not None:
         from jaxserve.engine.build import enable_compilation_cache
 
         enable_compilation_cache(cache_dir / "xla")

@@ -11,7 +11,8 @@ Backends (`--attention-backend`): "reference" is the pure-jnp attention; "pallas
 Pallas kernels on a GPU (checked and timed on an H100: identical greedy output, 2.5-3.5x XLA's
 decode attention from batch 8 up, see benchmarks/RESULTS.md), the native kernel on the CPU when it
 builds (16% more tokens/s than the reference at 16 sequences on SmolLM2; without a C++ compiler,
-the reference), and the reference on TPUs until their kernels have run on a real one; "pallas" is
+the reference), and the Pallas kernels on TPUs too (correct in TPU interpret mode and compiled by
+the real TPU compiler in CI, tests/tpu_aot; not yet timed on a TPU); "pallas" is
 the kernels of the machine, and on the CPU the GPU flavour run by the Pallas interpreter: correct
 but very slow, for tests and debugging only.
 """
@@ -23,8 +24,10 @@ import logging
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels._common import target_platform
 from jaxserve.engine.kv_cache import KVCache
 
 log = logging.getLogger("jaxserve.engine")
@@ -52,10 +55,11 @@ def resolve_backend(name: str, platform: str | None = None, tensor_parallel: int
     if name in pallas_kernels.BACKENDS:
         return name
     if name == "auto":
-        # The GPU kernels passed their tests and beat XLA on an H100; the TPU kernels have only
-        # run in TPU interpret mode, so TPUs keep the reference until they are timed on one.
-        if platform == "gpu":
-            return "pallas_gpu"
+        # The GPU kernels passed their tests and beat XLA on an H100. The TPU kernels are correct in
+        # TPU interpret mode and compile through the real TPU compiler in CI (tests/tpu_aot), with
+        # every page read once by DMA; XLA's gather-based reference is no faster a bet on a TPU.
+        if platform in ("gpu", "tpu"):
+            return _PALLAS_OF_PLATFORM[platform]
         if platform == "cpu" and tensor_parallel == 1:
             # The custom call has no sharding rule: split over devices, XLA would gather the
             # whole cache onto each of them, so tensor-parallel CPU runs keep the reference.
@@ -71,8 +75,9 @@ def resolve_backend(name: str, platform: str | None = None, tensor_parallel: int
 
 
 def is_interpreted(backend: str, platform: str | None = None) -> bool:
-    """Whether `backend`'s kernels would run in (slow) interpret mode on `platform`."""
-    platform = platform or jax.default_backend()
+    """Whether `backend`'s kernels would run in (slow) interpret mode on `platform` (default: the
+    platform being compiled for)."""
+    platform = platform or target_platform()
     return backend in _PLATFORM_OF_PALLAS and _PLATFORM_OF_PALLAS[backend] != platform
 
 
@@ -126,22 +131,51 @@ class PagedAttention:
                  layer: jax.Array) -> tuple[jax.Array, KVCache]:
         # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
         cache = write_layer(cache, layer, k[0], v[0], self.slots)
+        mesh = getattr(self.cache_sharding, "mesh", None)
+        if mesh is None or mesh.size == 1:
+            out = self._attend(q[0], cache.k, cache.v, window, layer)
+        else:
+            out = self._attend_sharded(mesh, q[0], cache, window, layer)
+        if self.cache_sharding is not None:
+            cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+        return out[None], cache
+
+    def _attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, window: jax.Array,
+                layer: jax.Array) -> jax.Array:
+        """q [T, q_heads, D] against the pages of whichever kv heads k_pages / v_pages hold."""
         common = dict(scale=self.scale, softcap=self.softcap, window=window, layer=layer)
         if self.backend == "reference":
             # The reference reads keys in chunks with a traced trip count that stops at the longest live
             # context; small chunks (~128 tokens) keep short contexts cheap even when max_model_len is long.
-            common["chunk_pages"] = max(1, 128 // cache.page_size)
+            common["chunk_pages"] = max(1, 128 // k_pages.shape[-2])
         if self.decode:
             # Padding rows get length 0, which the kernels answer with zeros.
             lengths = jnp.where(jnp.arange(self.kv_lens.shape[0]) < self.num_seqs, self.kv_lens, 0)
-            out = pallas_kernels.get_decode_attention(self.backend)(
-                q[0], cache.k, cache.v, self.page_tables, lengths, **common)
-        else:
-            out = pallas_kernels.get_ragged_attention(self.backend)(
-                q[0], cache.k, cache.v, self.page_tables, self.cu_q_lens, self.kv_lens, self.num_seqs, **common)
-        if self.cache_sharding is not None:
-            cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
-        return out[None], cache
+            return pallas_kernels.get_decode_attention(self.backend)(
+                q, k_pages, v_pages, self.page_tables, lengths, **common)
+        return pallas_kernels.get_ragged_attention(self.backend)(
+            q, k_pages, v_pages, self.page_tables, self.cu_q_lens, self.kv_lens, self.num_seqs, **common)
+
+    def _attend_sharded(self, mesh: jax.sharding.Mesh, q: jax.Array, cache: KVCache, window: jax.Array,
+                        layer: jax.Array) -> jax.Array:
+        """Tensor parallelism, explicitly per device (`shard_map`): XLA cannot partition a Pallas
+        kernel itself (Mosaic refuses; anything else would gather the whole cache). With the cache
+        split by kv head, each device attends its q heads to its kv heads: no communication. With
+        the cache replicated (kv heads do not divide by the mesh), each device attends every head
+        (q is gathered, a few KiB) and keeps its own: the same pages read, no cache traffic."""
+        kv_spec = self.cache_sharding.spec
+        split = len(kv_spec) > 1 and kv_spec[1] is not None
+        heads = P(None, kv_spec[1], None) if split else P()
+        rest = (self.page_tables, self.cu_q_lens, self.kv_lens, self.num_seqs, window, layer)
+
+        def local(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array,
+                  cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, window: jax.Array,
+                  layer: jax.Array) -> jax.Array:
+            inner = self.replace(page_tables=page_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, num_seqs=num_seqs)
+            return inner._attend(q, k_pages, v_pages, window, layer)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_spec, kv_spec, *(P(),) * len(rest)),
+                             out_specs=heads, check_vma=False)(q, cache.k, cache.v, *rest)
 
 
 def paged_attention(
@@ -160,6 +194,6 @@ def paged_attention(
     """A `PagedAttention` for `backend` (resolved; warns once when its kernels would be interpreted)."""
     backend = resolve_backend(backend)
     if is_interpreted(backend):
-        _warn_interpreted(backend, jax.default_backend())
+        _warn_interpreted(backend, target_platform())
     return PagedAttention(slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=scale, softcap=softcap,
                           backend=backend, decode=decode, cache_sharding=cache_sharding)

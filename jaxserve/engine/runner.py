@@ -1,16 +1,6 @@
 """ModelRunner: the only owner of device arrays (the weights, the KV cache and the persistent device
-batch). It compiles one program per command shape ahead of time (jaxserve.engine.step_inputs) and
-runs a step's commands through them.
-
-Steps. A prefill step takes the scheduled tokens of up to S chunks, concatenated ([T] ragged,
-padded to the bucket), attends over the paged cache through the ragged attention, and samples one
-token per chunk from the logits at its last token. A decode step runs up to `decode_steps`
-iterations of one token per row inside one `lax.while_loop`, feeding each sampled token back on
-the device; a row stops inside the loop when it samples an end id past min_tokens or reaches its
-length, and the loop stops when every row has or the host's iteration count is done. Both write
-the new K/V into the donated cache, read sampling parameters from the device batch through each
-row's slot, count the sampled tokens there for the penalties, and return only the sampled ids and
-logprobs.
+batch). It compiles the model's programs (jaxserve.engine.programs) for every command shape ahead of
+time and runs a step's commands through them.
 """
 
 from __future__ import annotations
@@ -22,42 +12,19 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from tqdm import tqdm
 
-from jaxserve.engine import attention, device_batch
-from jaxserve.engine.device_batch import DeviceBatch
+from jaxserve.engine import device_batch
 from jaxserve.engine.kv_cache import KVCache
-from jaxserve.engine.request import MAX_TOP_LOGPROBS
-from jaxserve.engine.sampler import SampleOutput, sample, token_logprobs
+from jaxserve.engine.programs import STEP_KINDS, StepOutput, StepPrograms
 from jaxserve.engine.step_inputs import Key, Payload, StepCommands
 from jaxserve.models import products
 from jaxserve.models.decoder import Decoder
-from jaxserve.parallel import ShardingPlan, mesh_of
+from jaxserve.parallel import mesh_of
 from jaxserve.parallel.multihost import is_leader, to_host
 
 log = logging.getLogger("jaxserve.engine")
-
-PROMPT_LOGPROBS_CHUNK = 128  # rows of prompt logprobs computed at a time (bounds the step's scratch memory)
-
-
-@struct.dataclass
-class PromptLogprobs:
-    """Per scheduled token: logprob of the following prompt token and the top-N alternatives."""
-
-    logprob: jax.Array  # [T] float32
-    top_ids: jax.Array  # [T, MAX_TOP_LOGPROBS] int32
-    top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] float32
-
-
-@struct.dataclass
-class StepOutput:
-    """What a step returns to the host: for each of its K iterations (1 for prefill) and rows, the
-    sampled token and logprobs, and how many iterations each row ran."""
-
-    sample: SampleOutput  # leaves [K, S, ...]
-    num_sampled: jax.Array  # [S] int32
-    prompt: PromptLogprobs | None = None  # prefill steps
 
 
 class ModelRunner:
@@ -78,11 +45,8 @@ class ModelRunner:
         self.graphdef, params = nnx.split(decoder)
         # The weights' types pick their products (jaxserve.models.products).
         self.params = products.place(params, matmul_backend, decoder.head_path)
-        self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.num_slots = num_slots
-        self.decode_steps = decode_steps
-        self.attention_backend = attention_backend
         cpu = jax.devices()[0].platform == "cpu"
         # XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about
         # 10x slower than the same product with two rows (which goes to the matmul library), so on
@@ -90,131 +54,32 @@ class ModelRunner:
         # get a padding token and a one-sequence head gets a padding row. (The native kernel streams
         # one row at the memory's rate.)
         native = matmul_backend == "cpu" and cpu and _native_products_available()
-        self.min_rows = 2 if cpu and not native and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
+        min_rows = 2 if cpu and not native and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
+        # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
+        # step; weights on one device mean the plain single-device step.
+        mesh = mesh_of(self.params)
+        self.programs = StepPrograms(
+            self.graphdef, self.cfg, page_size=page_size, decode_steps=decode_steps,
+            attention_backend=attention_backend, min_rows=min_rows, mesh=mesh,
+            params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, self.params) if mesh is not None else None)
+        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype, self.programs.kv_sharding)
+        self.batch = device_batch.create_batch(num_slots, self.cfg.vocab_size, max_pages_per_seq,
+                                               self.programs.replicated)
         self._programs: dict[Key, Any] = {}
         # Multi-host: the leader sends each command here before running it (set by the builder).
         self.channel: Any = None
-        # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
-        # step; weights on one device mean the plain single-device step.
-        self.mesh = mesh_of(self.params)
-        self._kv_sharding: jax.sharding.Sharding | None = None
-        kv_dtype = kv_dtype or decoder.dtype
-        replicated = None
-        if self.mesh is not None:
-            plan = ShardingPlan(self.mesh, self.cfg)
-            self._kv_sharding, replicated = plan.kv_cache(), plan.replicated()
-        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype, self._kv_sharding)
-        self.batch = device_batch.create_batch(num_slots, self.cfg.vocab_size, max_pages_per_seq, replicated)
-        self._jitted = self._jit(replicated)
 
-    # ---- the programs -----------------------------------------------------------------------------
-    def _jit(self, replicated: jax.sharding.Sharding | None) -> dict[str, Any]:
-        """One jitted function per command kind. Under a mesh GSPMD partitions the steps from these
-        annotations (and inserts the collectives); the device batch, the host inputs and the
-        sampled tokens are replicated, so every device agrees on every token."""
-        step_shardings: dict[str, Any] = {}
-        update_shardings: dict[str, Any] = {}
-        if self.mesh is not None:
-            params = jax.tree_util.tree_map(lambda a: a.sharding, self.params)
-            step_shardings = dict(in_shardings=(params, self._kv_sharding, replicated, replicated),
-                                  out_shardings=(self._kv_sharding, replicated, replicated))
-            update_shardings = dict(in_shardings=(replicated, replicated), out_shardings=replicated)
-        updates = {
-            "rows": lambda b, p: device_batch.set_rows(b, p["slots"], {k: v for k, v in p.items() if k != "slots"}),
-            "tokens": lambda b, p: device_batch.add_tokens(b, p["slots"], p["ids"], p["prompt"]),
-            "pages": lambda b, p: device_batch.set_pages(b, p["slots"], p["index"], p["pages"]),
-            "masks": lambda b, p: device_batch.set_masks(b, p["slots"], p["masks"]),
-            "bans": lambda b, p: device_batch.set_bans(b, p["slots"], p["ids"]),
-        }
-        jitted = {kind: jax.jit(fn, donate_argnums=(0,), **update_shardings) for kind, fn in updates.items()}
-        jitted["prefill"] = jax.jit(self._prefill_fn, donate_argnums=(1, 2), **step_shardings)
-        jitted["decode"] = jax.jit(self._decode_fn, donate_argnums=(1, 2), **step_shardings)
-        return jitted
+    @property
+    def min_rows(self) -> int:
+        return self.programs.min_rows
 
-    def _forward(self, model: Decoder, kv: KVCache, tokens: jax.Array, positions: jax.Array, kv_slots: jax.Array,
-                 page_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-                 decode: bool) -> tuple[jax.Array, KVCache]:
-        """The model over one row of [t] tokens attending through the paged cache: hidden [t, H]."""
-        t = tokens.shape[0]
-        if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens
-            pad = self.min_rows - t
-            tokens, positions = jnp.pad(tokens, (0, pad)), jnp.pad(positions, (0, pad))
-            kv_slots = jnp.pad(kv_slots, (0, pad), constant_values=-1)
-        attend = attention.paged_attention(
-            kv_slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=self.cfg.scale,
-            softcap=self.cfg.attn_logit_softcap, backend=self.attention_backend,
-            # A padded one-token step (min_rows) has more tokens than sequences: the ragged kernel's.
-            decode=decode and tokens.shape[0] == page_tables.shape[0], cache_sharding=self._kv_sharding,
-        )
-        hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv)
-        return hidden[0, :t], kv
+    @min_rows.setter
+    def min_rows(self, rows: int) -> None:  # read while tracing: set it before compiling
+        self.programs.min_rows = rows
 
-    def _logits(self, model: Decoder, rows: jax.Array) -> jax.Array:
-        s = rows.shape[0]
-        if s < self.min_rows:
-            rows = jnp.pad(rows, ((0, self.min_rows - s), (0, 0)))
-        return model.logits(rows)[:s]  # [S, vocab] float32
-
-    def _prefill_fn(self, params: nnx.State, kv: KVCache, batch: DeviceBatch,
-                    inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
-        model: Decoder = nnx.merge(self.graphdef, params)
-        batch = _page_updates(batch, inp)
-        t, s = inp["tokens"].shape[0], inp["row_slots"].shape[0]
-        cu = inp["cu_q_lens"]
-        token_row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(t), side="right"), s - 1)
-        valid = jnp.arange(t) < cu[inp["num_seqs"]]
-        row_slots = inp["row_slots"]
-        kv_slots = device_batch.page_slots(batch, row_slots[token_row], inp["positions"], valid, self.page_size)
-        hidden, kv = self._forward(model, kv, inp["tokens"], inp["positions"], kv_slots,
-                                   batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False)
-        sampled = sample(self._logits(model, hidden[inp["sample_rows"]]),
-                         device_batch.sampling_rows(batch, row_slots, inp["steps"]))
-        samples = inp["samples"] & (jnp.arange(s) < inp["num_seqs"])
-        batch = device_batch.record_tokens(batch, row_slots, sampled.token, samples)
-        prompt = _prompt_logprobs(model, hidden, inp["prompt_targets"], inp["prompt_top_n"])
-        out = StepOutput(jax.tree_util.tree_map(lambda a: a[None], sampled), samples.astype(jnp.int32), prompt)
-        return kv, batch, out
-
-    def _decode_fn(self, params: nnx.State, kv: KVCache, batch: DeviceBatch,
-                   inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
-        model: Decoder = nnx.merge(self.graphdef, params)
-        batch = _page_updates(batch, inp)
-        s = inp["tokens"].shape[0]
-        row_slots, remaining = inp["row_slots"], inp["remaining"]
-        page_tables = batch.page_tables[row_slots]
-        cu = jnp.arange(s + 1, dtype=jnp.int32)
-        k = self.decode_steps
-        empty = SampleOutput(
-            token=jnp.zeros((k, s), jnp.int32), logprob=jnp.zeros((k, s), jnp.float32),
-            top_ids=jnp.full((k, s, MAX_TOP_LOGPROBS), -1, jnp.int32),
-            top_logprobs=jnp.full((k, s, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
-
-        def body(carry: tuple) -> tuple:
-            j, kv, batch, tokens, positions, steps, active, outs, num_sampled = carry
-            kv_slots = device_batch.page_slots(batch, row_slots, positions, active, self.page_size)
-            lengths = jnp.where(active, positions + 1, 0)
-            hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, page_tables, cu, lengths,
-                                       inp["num_seqs"], True)
-            sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, row_slots, steps))
-            batch = device_batch.record_tokens(batch, row_slots, sampled.token, active)
-            ended = device_batch.ends_row(batch, row_slots, steps, sampled.token) | (j + 1 >= remaining)
-            outs = jax.tree_util.tree_map(lambda buf, new: buf.at[j].set(new), outs, sampled)
-            num_sampled = num_sampled + active.astype(jnp.int32)
-            return (j + 1, kv, batch, sampled.token, positions + 1, steps + 1, active & ~ended, outs, num_sampled)
-
-        def more(carry: tuple) -> jax.Array:
-            j, active = carry[0], carry[6]
-            return (j < jnp.minimum(inp["num_steps"], k)) & jnp.any(active)
-
-        active = jnp.arange(s) < inp["num_seqs"]
-        carry = (jnp.int32(0), kv, batch, inp["tokens"], inp["positions"], inp["steps"], active, empty,
-                 jnp.zeros(s, jnp.int32))
-        if k == 1:  # one iteration: no loop around the model
-            carry = body(carry)
-        else:
-            carry = jax.lax.while_loop(more, body, carry)
-        _, kv, batch, _, _, _, _, outs, num_sampled = carry
-        return kv, batch, StepOutput(outs, num_sampled)
+    @property
+    def attention_backend(self) -> str:
+        return self.programs.attention_backend
 
     # ---- ahead-of-time compilation ----------------------------------------------------------------
     def compile(self, keys: list[Key], abstract: Callable[[Key], dict[str, tuple[tuple[int, ...], Any]]]) -> dict[Key, float]:
@@ -225,23 +90,17 @@ class ModelRunner:
             for key in bar:
                 bar.set_postfix_str(" ".join(map(str, key)))
                 start = time.perf_counter()
-                self._programs[key] = self._lower(key, abstract(key)).compile()
+                self._programs[key] = self.programs.lower(key, self.params, self.kv, self.batch,
+                                                          abstract(key)).compile()
                 seconds[key] = time.perf_counter() - start
-                if key[0] in ("prefill", "decode"):
+                if key[0] in STEP_KINDS:
                     log.info("compiled %s step %s in %.2fs", key[0], key[1:], seconds[key])
         return seconds
-
-    def _lower(self, key: Key, spec: dict[str, tuple[tuple[int, ...], Any]]) -> Any:
-        payload = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in spec.items()}
-        fn = self._jitted[key[0]]
-        if key[0] in ("prefill", "decode"):
-            return fn.lower(self.params, self.kv, self.batch, payload)
-        return fn.lower(self.batch, payload)
 
     @property
     def compiled_steps(self) -> dict[Key, Any]:
         """The compiled prefill and decode programs, by key."""
-        return {k: c for k, c in self._programs.items() if k[0] in ("prefill", "decode")}
+        return {k: c for k, c in self._programs.items() if k[0] in STEP_KINDS}
 
     # ---- running ------------------------------------------------------------------------------------
     def call(self, key: Key, payload: Payload) -> StepOutput | None:
@@ -251,7 +110,7 @@ class ModelRunner:
             raise RuntimeError(f"command shape {key} was not compiled at start-up")
         if self.channel is not None and is_leader():
             self.channel.send(key, payload)
-        if key[0] in ("prefill", "decode"):
+        if key[0] in STEP_KINDS:
             self.kv, self.batch, out = compiled(self.params, self.kv, self.batch, payload)
             return out
         self.batch = compiled(self.batch, payload)
@@ -288,40 +147,7 @@ class StepHandle:
         return None if self._decode is None else to_host(self._decode)
 
 
-def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:
-    return device_batch.set_pages(batch, inp["page_slots"], inp["page_index"], inp["page_ids"])
-
-
-def _prompt_logprobs(model: Decoder, hidden: jax.Array, targets: jax.Array, top_n: jax.Array) -> PromptLogprobs:
-    """Logits for every scheduled token cost [tokens x vocab]; the cond computes them only in
-    steps where some prompt asked for logprobs (echo, logprob_start_len), so other steps pay
-    nothing and no separate program has to be compiled. They are computed in chunks of rows:
-    XLA reserves a program's scratch memory for both branches of a cond on every run, and a
-    2048-token step over a 128k vocabulary would otherwise hold ~6 GB of logits and top-k
-    scratch that the KV cache could use."""
-    wanted = targets >= 0
-    t = hidden.shape[0]
-    chunk = max(c for c in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % c == 0)
-
-    def compute() -> PromptLogprobs:
-        def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-            h, target, n = args
-            return token_logprobs(model.logits(h), target, n)
-
-        split = lambda a: a.reshape(t // chunk, chunk, *a.shape[1:])  # noqa: E731
-        lp, ids, top = jax.lax.map(rows, (split(hidden), split(jnp.maximum(targets, 0)),
-                                          split(jnp.where(wanted, top_n, -1))))
-        return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1))
-
-    def skip() -> PromptLogprobs:
-        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.full((t, MAX_TOP_LOGPROBS), -1, jnp.int32),
-                              jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
-
-    return jax.lax.cond(jnp.any(wanted), compute, skip)
-
-
 def _native_products_available() -> bool:
     from pallas_kernels import cpu_matmul
 
     return cpu_matmul.available()
-

@@ -11,7 +11,7 @@ from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server import sse
+from jaxserve.server import sampling, sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import (
     ServerState,
@@ -22,7 +22,6 @@ from jaxserve.server.generation import (
     route,
     token_text,
 )
-from jaxserve.server.tools import ForcedTools, forced_tools
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.server.openai_protocol import (
@@ -50,27 +49,8 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(req)
-    if req.logit_bias is not None:
-        try:
-            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias") from None
-    else:
-        logit_bias = None
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        n=req.n, best_of=req.best_of, max_tokens=max_tokens, min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0,
-        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=logit_bias, seed=req.seed, ignore_eos=req.ignore_eos, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), include_stop_str_in_output=req.include_stop_str_in_output,
-        bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
-        logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens,
-    )
+    return sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
+                          bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None)
 
 
 def guide_spec(req: SamplingFields) -> GuideSpec | None:
@@ -317,7 +297,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
     yield sse.DONE
 
 
-# ---- /v1/chat/completions -------------------------------------------------------------------------
+# ---- chat templates (chat completions: jaxserve.server.openai_chat) -------------------------------
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content parts joined into one string."""
     out = []
@@ -340,116 +320,6 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_
     return state.tokenizer.encode_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                                        tools=tools)
-
-
-async def chat_completions(state: ServerState) -> Response:
-    """OpenAI chat completions, with vLLM's sampling and chat-template extras."""
-    req = await parse(ChatCompletionRequest)
-    check_model(state, req.model)
-    if req.continue_final_message:
-        raise not_supported("continue_final_message", "continue_final_message")
-    forced = forced_tools(req.tools, req.tool_choice)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
-    if req.prompt_token_ids is not None:
-        prompt = list(req.prompt_token_ids)
-    elif req.disable_chat_template:
-        prompt = state.tokenizer.encode("".join(m["content"] for m in chat_messages(req.messages)
-                                                if isinstance(m.get("content"), str)))
-        if not prompt:
-            raise ApiError(400, "messages: no text to prompt with (disable_chat_template joins their content)",
-                           "messages")
-    else:
-        prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
-                             req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    await attach_grammar(state, params, guide.only_one([guide_spec(req), forced.spec if forced else None]))
-    request_id = new_id("chatcmpl")
-    async with state.admit() as flight:
-        await flight.submit(request_id, prompt, params, req.priority)
-        if req.stream:
-            return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams,
-                                                                forced)))
-        (res,) = await flight.collect()
-    choices = []
-    for o in res.outputs:
-        choice = {"index": o.index, "message": {"role": "assistant", "content": o.text},
-                  "logprobs": (chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
-                               if o.logprobs is not None else None),
-                  "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-        if forced is not None and o.finish_reason == "stop":  # complete, so it parses
-            choice["message"] |= {"content": None, "tool_calls": forced.calls(o.text)}
-            choice["finish_reason"] = _tool_finish(forced)
-        if req.return_token_ids:
-            choice["token_ids"] = o.token_ids  # vLLM's place; the message carries both lists too
-            choice["message"] |= {"prompt_token_ids": prompt, "completion_token_ids": o.token_ids}
-        choices.append(choice)
-    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": usage(len(prompt), sum(len(o.token_ids) for o in res.outputs),
-                                              res.num_cached_tokens),
-            "system_fingerprint": None}
-    if req.return_token_ids:
-        body["prompt_token_ids"] = prompt
-    if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
-        body["prompt_logprobs"] = vllm_prompt_logprobs(state, res.prompt_logprobs)  # vLLM: top level for chat
-    return jsonify(body)
-
-
-def _tool_finish(forced: ForcedTools) -> str:
-    # vLLM's choice: a named function ends as an ordinary "stop"; "required" says "tool_calls".
-    return "stop" if forced.function is not None else "tool_calls"
-
-
-async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
-                       streams: list, forced: ForcedTools | None = None) -> AsyncIterator[bytes]:
-    """With forced tool calls, the arguments are held back and sent as one tool_calls delta once
-    the constrained output is complete (a cut output is sent as text)."""
-    created = int(time.time())
-    include_usage, continuous = _usage_options(req)
-    total = _Usage([prompt])
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name, "choices": choices, "system_fingerprint": None, **extra}
-        if include_usage:
-            body["usage"] = total.body() if continuous else None
-        return sse.event(body)
-
-    try:
-        # The role comes first, before any token, as OpenAI sends it.
-        for index in range(req.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}],
-                        **({"prompt_token_ids": prompt} if req.return_token_ids and index == 0 else {}))
-        held: dict[int, str] = {}
-        async for i, delta in merged(streams):
-            total.add(i, delta)
-            for o in delta.outputs:
-                text, message = o.text, {}
-                if forced is not None:
-                    held[o.index] = held.get(o.index, "") + o.text
-                    text = ""
-                    if o.finish_reason == "stop":
-                        calls = forced.calls(held[o.index])
-                        message = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-                    elif o.finish_reason is not None:
-                        text = held[o.index]
-                delta_body = ({"content": text} if text or not o.finish_reason else {}) | message
-                choice = {"index": o.index, "delta": delta_body, "logprobs": None,
-                          "finish_reason": _tool_finish(forced) if message else o.finish_reason,
-                          "stop_reason": o.stop_reason}
-                if o.logprobs is not None:
-                    choice["logprobs"] = chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
-                if req.return_token_ids:
-                    choice["token_ids"] = o.token_ids
-                yield chunk([choice])
-        if include_usage:
-            yield sse.event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": state.model_name, "choices": [], "usage": total.body()})
-    except Exception as e:
-        yield sse.event(error_event(e, "openai"))
-    yield sse.DONE
 
 
 # ---- models, tokenize, detokenize -----------------------------------------------------------------
@@ -491,6 +361,8 @@ async def detokenize(state: ServerState) -> Response:
 
 
 def register(app: Quart, state: ServerState) -> None:
+    from jaxserve.server.openai_chat import chat_completions
+
     for prefix in ("/v1", "/v3"):
         route(app, state, f"{prefix}/completions", completions, "POST", CompletionRequest)
         route(app, state, f"{prefix}/chat/completions", chat_completions, "POST", ChatCompletionRequest)

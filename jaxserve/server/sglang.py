@@ -11,7 +11,7 @@ from quart import Quart, Response, jsonify
 
 from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server import sse
+from jaxserve.server import sampling, sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, merged, new_id, route, token_text
 from jaxserve.server.openai import parse
@@ -84,19 +84,8 @@ def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
 
 
 def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
-    try:
-        bias = {int(k): v for k, v in sp.logit_bias.items()} if sp.logit_bias else None
-    except ValueError:
-        raise ApiError(400, "sampling_params.logit_bias: keys must be token ids", "logit_bias") from None
-    return SamplingParams(
-        n=sp.n, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
-        stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
-        stop_token_ids=list(sp.stop_token_ids or []),
-        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-        repetition_penalty=sp.repetition_penalty, ignore_eos=sp.ignore_eos,
-        skip_special_tokens=sp.skip_special_tokens, spaces_between_special_tokens=sp.spaces_between_special_tokens,
-        include_stop_str_in_output=sp.no_stop_trim, seed=sp.sampling_seed, logit_bias=bias,
+    return sampling.build(
+        sampling.SGLANG, lambda name: getattr(sp, name),
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
         prompt_logprobs=(req.top_logprobs_num if wants_input_logprobs(req) else None),
         prompt_logprobs_start=max(req.logprob_start_len, 0),

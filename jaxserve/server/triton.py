@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server import sse
+from jaxserve.server import sampling, sse
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, bad_words_ids, new_id, route
 from jaxserve.structured import spec as guide
@@ -19,29 +19,9 @@ from jaxserve.structured.spec import GuideSpec
 
 VERSION = "1"
 
-# Triton parameter -> (SamplingParams field, accepted JSON types)
-_NUMBERS = (int, float)
-_PARAMS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "max_tokens": ("max_tokens", (int,)),
-    "min_tokens": ("min_tokens", (int,)),
-    "temperature": ("temperature", _NUMBERS),
-    "top_p": ("top_p", _NUMBERS),
-    "top_k": ("top_k", (int,)),
-    "min_p": ("min_p", _NUMBERS),
-    "seed": ("seed", (int,)),
-    "random_seed": ("seed", (int,)),
-    "frequency_penalty": ("frequency_penalty", _NUMBERS),
-    "presence_penalty": ("presence_penalty", _NUMBERS),
-    "repetition_penalty": ("repetition_penalty", _NUMBERS),
-    "ignore_eos": ("ignore_eos", (bool,)),
-    "n": ("n", (int,)),
-    "best_of": ("best_of", (int,)),
-    "skip_special_tokens": ("skip_special_tokens", (bool,)),
-    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
-}
 _GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar"}
-_ACCEPTED = set(_PARAMS) | _GUIDES | {"stop", "stop_words", "bad_words", "stream", "exclude_input_in_output",
-                                      "end_id"}
+_ACCEPTED = {f.name for f in sampling.TRITON} | _GUIDES | {"stop", "stop_words", "bad_words", "stream",
+                                                             "exclude_input_in_output", "end_id"}
 _TOP_LEVEL = {"id", "text_input", "parameters"}
 
 
@@ -86,17 +66,10 @@ def _request_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
-    fields: dict[str, Any] = {}
-    for name, value in params.items():
-        if name not in _PARAMS:
-            continue
-        field, types = _PARAMS[name]
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise ApiError(400, f"{name}: expected {' or '.join(t.__name__ for t in types)}, got {value!r}", name)
-        fields[field] = value
     stop = _words(params.get("stop"), "stop") + _words(params.get("stop_words"), "stop_words")
     bad = _words(params.get("bad_words"), "bad_words")
-    return SamplingParams(**fields, stop=stop, bad_words_ids=bad_words_ids(state.tokenizer, bad) if bad else None)
+    return sampling.build(sampling.TRITON, params.get, stop=stop,
+                          bad_words_ids=bad_words_ids(state.tokenizer, bad) if bad else None)
 
 
 def guide_spec(params: dict[str, Any]) -> GuideSpec | None:

@@ -83,7 +83,8 @@ def test_smollm2_bfloat16_engine_same_greedy_tokens(cache_dir, smollm2_tokenizer
     needs no padding row) and four at once with chunked prefill."""
     config = EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=64),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=256),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=256,
+                                  decode_buckets=(1, 4), prefill_buckets=(32,)),
         attention_backend="reference",
     )
     prompts = [smollm2_tokenizer.encode(p) for p in

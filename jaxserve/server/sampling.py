@@ -1,0 +1,102 @@
+"""Each protocol's request fields -> SamplingParams, as one table per protocol.
+
+A row names the protocol's field, the SamplingParams field it sets, the value a null (or absent)
+field means, and how the value is converted; `build` reads a request through a table. What a
+table cannot say (a protocol's own logprob switches, bad words that need the tokenizer, the
+max_tokens that chat and completions spell differently) is passed to `build` as computed fields.
+Range checks are SamplingParams.validate's, in the engine's one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server.errors import ApiError
+
+NUMBERS = (int, float)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str  # the protocol's field
+    param: str  # the SamplingParams field it sets
+    default: Any = None  # what null / absent means (None: SamplingParams' own default)
+    convert: Callable[[Any], Any] | None = None
+    types: tuple[type, ...] | None = None  # accepted JSON types (protocols without a schema: Triton)
+
+
+def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: Any) -> SamplingParams:
+    """SamplingParams from a request: `value_of(name)` is the request's value of a field (None when
+    absent); `computed` sets fields no table row covers."""
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        value = value_of(f.name)
+        if value is None:
+            if f.default is None:
+                continue
+            value = f.default
+        elif f.types is not None and (isinstance(value, bool) and bool not in f.types or not isinstance(value, f.types)):
+            raise ApiError(400, f"{f.name}: expected {' or '.join(t.__name__ for t in f.types)}, got {value!r}", f.name)
+        kwargs[f.param] = f.convert(value) if f.convert is not None else value
+    return SamplingParams(**kwargs, **computed)
+
+
+def stop_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def token_bias(name: str) -> Callable[[dict], dict[int, float]]:
+    """logit_bias keys are token ids written as JSON strings."""
+
+    def convert(bias: dict) -> dict[int, float]:
+        try:
+            return {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise ApiError(400, f"{name}: keys must be token ids (integers as strings)", "logit_bias") from None
+
+    return convert
+
+
+# OpenAI completions and chat (and vLLM's extras on them).
+OPENAI = (
+    Field("n", "n"), Field("best_of", "best_of"), Field("min_tokens", "min_tokens"),
+    Field("temperature", "temperature", 1.0), Field("top_p", "top_p", 1.0), Field("top_k", "top_k", -1),
+    Field("min_p", "min_p", 0.0), Field("frequency_penalty", "frequency_penalty"),
+    Field("presence_penalty", "presence_penalty"), Field("repetition_penalty", "repetition_penalty", 1.0),
+    Field("logit_bias", "logit_bias", convert=token_bias("logit_bias")), Field("seed", "seed"),
+    Field("ignore_eos", "ignore_eos"), Field("stop", "stop", convert=stop_list),
+    Field("stop_token_ids", "stop_token_ids", convert=list),
+    Field("include_stop_str_in_output", "include_stop_str_in_output"), Field("prompt_logprobs", "prompt_logprobs"),
+    Field("skip_special_tokens", "skip_special_tokens"),
+    Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
+)
+
+# SGLang's /generate sampling_params.
+SGLANG = (
+    Field("n", "n"), Field("max_new_tokens", "max_tokens"), Field("min_new_tokens", "min_tokens"),
+    Field("stop", "stop", convert=stop_list), Field("stop_token_ids", "stop_token_ids", convert=list),
+    Field("temperature", "temperature"), Field("top_p", "top_p"), Field("top_k", "top_k"), Field("min_p", "min_p"),
+    Field("frequency_penalty", "frequency_penalty"), Field("presence_penalty", "presence_penalty"),
+    Field("repetition_penalty", "repetition_penalty"), Field("ignore_eos", "ignore_eos"),
+    Field("skip_special_tokens", "skip_special_tokens"),
+    Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
+    Field("no_stop_trim", "include_stop_str_in_output"), Field("sampling_seed", "seed"),
+    Field("logit_bias", "logit_bias", convert=token_bias("sampling_params.logit_bias")),
+)
+
+# Triton's generate extension `parameters` (the vLLM backend's names, and TensorRT-LLM's).
+TRITON = (
+    Field("max_tokens", "max_tokens", types=(int,)), Field("min_tokens", "min_tokens", types=(int,)),
+    Field("temperature", "temperature", types=NUMBERS), Field("top_p", "top_p", types=NUMBERS),
+    Field("top_k", "top_k", types=(int,)), Field("min_p", "min_p", types=NUMBERS),
+    Field("seed", "seed", types=(int,)), Field("random_seed", "seed", types=(int,)),
+    Field("frequency_penalty", "frequency_penalty", types=NUMBERS),
+    Field("presence_penalty", "presence_penalty", types=NUMBERS),
+    Field("repetition_penalty", "repetition_penalty", types=NUMBERS), Field("ignore_eos", "ignore_eos", types=(bool,)),
+    Field("n", "n", types=(int,)), Field("best_of", "best_of", types=(int,)),
+    Field("skip_special_tokens", "skip_special_tokens", types=(bool,)),
+    Field("include_stop_str_in_output", "include_stop_str_in_output", types=(bool,)),
+)

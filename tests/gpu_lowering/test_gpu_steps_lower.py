@@ -1,0 +1,81 @@
+"""The engine's real prefill and decode steps (jaxserve.engine.programs) for a Llama-3-8B-shaped
+model, lowered for an H100 from the CPU (see test_gpu_kernels_lower.py for how): every layer's
+attention is one Pallas Triton kernel (no interpreter fallback, no reference gather), the weights
+enter as one buffer per layer, and the KV cache and the device batch are donated, so XLA updates
+them in place. Lowering is what can run without a GPU; the compile needs one
+(benchmarks/gpu_suite.sh runs there)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    """key -> the step lowered for cuda, for Llama-3-8B shapes (abstract weights: nothing allocated)."""
+    from flax import nnx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.dummy_model import PRESETS
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.device_batch import abstract_batch
+    from jaxserve.engine.kv_cache import KVCache
+    from jaxserve.engine.programs import StepPrograms
+    from jaxserve.engine.step_inputs import StepInputBuilder
+    from jaxserve.models.config import decoder_config_from_hf
+    from jaxserve.models.decoder import Decoder
+
+    cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, jnp.bfloat16)))
+    sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_prefill_seqs=8, max_model_len=8192,
+                            decode_buckets=(1, 64), prefill_buckets=(1024,), decode_steps=4)
+    builder = StepInputBuilder(num_slots=65, vocab_size=cfg.vocab_size, page_size=16, max_pages_per_seq=512,
+                               buckets=BucketTable(sched), max_prefill_seqs=8, decode_steps=4,
+                               row_params=lambda seq: None)
+    programs = StepPrograms(graphdef, cfg, page_size=16, decode_steps=4, attention_backend="pallas_gpu")
+    shape = KVCache.shape(cfg, 8192, 16)
+    kv = KVCache(jax.ShapeDtypeStruct(shape, jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    batch = abstract_batch(65, cfg.vocab_size, 512)
+    out = {}
+    with use_abstract_mesh(AbstractMesh((), (), abstract_device=H100)):
+        for key in (("decode", 1), ("decode", 64), ("prefill", 1024, 8)):
+            payload = {n: jax.ShapeDtypeStruct(s, d) for n, (s, d) in builder.abstract(key).items()}
+            jitted = programs.jitted[key[0]]
+            out[key] = jitted.trace(params, kv, batch, payload).lower(lowering_platforms=("cuda",))
+    return cfg, out
+
+
+@pytest.mark.parametrize("key", [("decode", 1), ("decode", 64), ("prefill", 1024, 8)], ids=str)
+def test_each_layer_attends_with_one_triton_kernel(lowered, key):
+    cfg, steps = lowered
+    text = steps[key].as_text()
+    kernels = text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
+    # The layer body is traced once (or twice: the first layer's inputs differ in their types) and
+    # called per layer (jaxserve.models.layers.run_layers); each body holds one kernel call.
+    calls = re.findall(r"= (?:func\.)?call @(_call_layer\w*)\(", text)
+    assert 1 <= len(set(calls)) <= 2 and len(calls) == cfg.num_layers
+    assert kernels == len(set(calls)), "one Triton kernel per layer, no interpreter fallback"
+    assert "stablehlo.custom_call @" not in text.replace("stablehlo.custom_call @__gpu$xla.gpu.triton", "")
+
+
+@pytest.mark.parametrize("key", [("decode", 1), ("prefill", 1024, 8)], ids=str)
+def test_the_cache_and_the_device_batch_are_donated(lowered, key):
+    _, steps = lowered
+    main = re.search(r"func\.func public @main\((.*?)\) ->", steps[key].as_text(), re.S).group(1)
+    args = re.split(r", %arg", main)
+    aliased = [a for a in args if "tf.aliasing_output" in a]
+    cache = [a for a in aliased if "32x8x8192x16x128xbf16" in a]
+    assert len(cache) == 2, "both K and V are updated in place"
+    assert len(aliased) >= 2 + 5  # the cache and every array of the device batch

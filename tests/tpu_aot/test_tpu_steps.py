@@ -1,0 +1,140 @@
+"""The engine's real prefill and decode steps for a random-weight Llama-3-8B, compiled by the real
+TPU compiler for v5e and v6e chips (no TPU, no weights: jaxserve.plan), on one chip and with
+tensor parallelism over 4 and 8: what makes a step fast, checked on every commit.
+
+Per compiled step (per chip):
+  - no weight is copied: a decode step's scratch is below 5% of one layer's weights plus the
+    sampler's [rows, vocab] float32 arrays (at most sixteen at once, rows padded to the TPU's
+    8-row tiles); the old layer scan copied a whole layer out of the stacked weights on every step;
+  - the KV cache and the device batch are updated in place (donated and aliased);
+  - weights, cache, device batch and scratch fit the chip's HBM at the configured page count;
+  - a decode step's model reads (its bytes less the sampler's, which are reported apart) are at
+    most 1/0.9 of what it must read anyway: every weight once plus the KV pages its rows can see
+    (jaxserve.plan counts the bytes with VMEM prefetching off; see there). Nor are they much less:
+    XLA:TPU reads a slice of a stacked weight in place, so a restored layer scan would copy
+    nothing, but the cost analysis counts a loop's body once, and a scan over 32 layers would show
+    as ~1/32 of the weights read.
+
+Compile time on two CPU cores is 5-40 s per step of a 32-layer model, so CI compiles the smallest
+and largest decode buckets of every configuration, the largest prefill bucket on one chip, and the
+whole of a serving grid (decode 1/4/16/64, prefill 256/1024) at TP 8 on v6e;
+`python -m jaxserve.plan` compiles any grid on demand. benchmarks/RESULTS.md has the table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+GiB = 1 << 30
+MAX_MODEL_LEN = 4096
+MAX_NUM_SEQS = 64
+# (topology, tensor parallel size, full grid): Llama-3-8B's 16 GB of bf16 weights leave a v5e chip
+# (16 GiB) almost no room for a KV cache, so one-chip serving is on v6e (32 GiB).
+DECODE = dict(decode_buckets=(1, MAX_NUM_SEQS), kinds=("decode",))
+GRID = dict(decode_buckets=(1, 4, 16, MAX_NUM_SEQS), prefill_buckets=(256, 1024))
+CONFIGS = [("v6e:2x2", 1, dict(decode_buckets=(1, MAX_NUM_SEQS), prefill_buckets=(1024,))),
+           ("v5e:2x2", 4, DECODE), ("v6e:2x2", 4, DECODE), ("v5e:2x4", 8, DECODE), ("v6e:2x4", 8, GRID)]
+
+
+def _presets():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import dummy_model
+
+    return dummy_model
+
+
+def _llama3_8b():
+    from jaxserve.models.config import decoder_config_from_hf
+
+    return decoder_config_from_hf(_presets().PRESETS["llama-3-8b"])
+
+
+@pytest.fixture(scope="module")
+def plans(tpu_chip):
+    """topology/tp -> jaxserve.plan.Plan, every step compiled once for the whole module."""
+    from jaxserve.plan import CHIPS, GiB as _GiB, plan
+
+    cfg = _llama3_8b()
+    out = {}
+    for topology, tp, grid in CONFIGS:
+        chip = tpu_chip(topology)  # skips without libtpu
+        hbm = CHIPS[chip.mesh.devices.flat[0].device_kind][0]
+        # The configured page count: 90% of what the chip has left after the weights and 1.5 GiB
+        # for the device batch and the steps' scratch (the server measures the scratch instead).
+        weights = 2 * _presets().parameter_count(_presets().PRESETS["llama-3-8b"]) // tp
+        page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 2 // min(tp, cfg.num_kv_heads)
+        num_pages = int((hbm - weights - 1.5 * _GiB) * 0.9) // page
+        out[f"{topology}/{tp}"] = plan(cfg, topology=topology, tensor_parallel_size=tp, max_model_len=MAX_MODEL_LEN,
+                                       max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024, max_prefill_seqs=8,
+                                       num_pages=num_pages, serving_compile=False, **grid)
+    return out
+
+
+def _cases() -> list[str]:
+    return [f"{t}/{tp}" for t, tp, _ in CONFIGS]
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_every_step_compiles_and_fits_the_chip(plans, config):
+    p = plans[config]
+    assert p.error is None, p.error
+    kinds = {(s.kind, s.tokens) for s in p.steps}
+    assert ("decode", 1) in kinds and ("decode", MAX_NUM_SEQS) in kinds
+    assert p.kv_tokens >= MAX_NUM_SEQS * MAX_MODEL_LEN // 4, "the cache holds a useful batch"
+    for s in p.steps:
+        # arguments (weights, cache, device batch, inputs) plus scratch: the program's whole HBM.
+        assert s.argument_bytes + s.temp_bytes <= p.hbm_bytes, (s.kind, s.tokens)
+        # The donated cache and device batch are updated in place, never copied.
+        assert s.alias_bytes >= p.kv_bytes + p.batch_bytes, (s.kind, s.tokens, s.alias_bytes)
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_no_weight_is_copied(plans, config):
+    p = plans[config]
+    cfg = _llama3_8b()
+    layer_bytes = (p.weights_bytes - 2 * cfg.vocab_size * cfg.hidden_size * 2 // p.tensor_parallel_size) / cfg.num_layers
+    for s in p.steps:
+        if s.kind == "decode":
+            sampler = 16 * max(s.seqs, 8) * cfg.vocab_size * 4
+            assert s.temp_bytes < 0.05 * layer_bytes + sampler, (s.seqs, s.temp_bytes, layer_bytes)
+
+
+@pytest.mark.parametrize("config", _cases())
+def test_decode_reads_little_more_than_its_floor(plans, config):
+    from jaxserve.plan import floor_ratio
+
+    p = plans[config]
+    decodes = [s for s in p.steps if s.kind == "decode"]
+    assert decodes
+    for s in decodes:
+        assert 0 < s.sampler_bytes < s.bytes_accessed
+        assert 0.9 <= floor_ratio(s) <= 1.5, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
+
+
+def test_the_whole_grid_compiles(plans):
+    p = plans["v6e:2x4/8"]
+    assert sorted(s.tokens for s in p.steps if s.kind == "decode") == list(GRID["decode_buckets"])
+    assert sorted(s.tokens for s in p.steps if s.kind == "prefill") == list(GRID["prefill_buckets"])
+
+
+def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
+    tpu_chip("v6e:2x2")
+    from jaxserve import plan as plan_module
+
+    small = dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2)  # the command, not the model, is under test
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--tp", "4", "--max-model-len",
+                             "2048", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+                             "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tensor parallel over 4 chip(s)" in out and "KV cache:" in out and "tok/s" in out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["error"] is None and report["num_pages"] > 1000
+    assert {s["kind"] for s in report["steps"]} == {"prefill", "decode"}
