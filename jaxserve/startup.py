@@ -1,4 +1,6 @@
-"""Start-up: load the model and tokenizer named by a ModelConfig and check they fit together."""
+"""Start-up: load the model and tokenizer named by a Config, check they fit together, and build and
+compile the engine (generation: `start_engine`, through engine/build.py; classification:
+`start_classify_engine`). The server, `jaxserve.LLM` and the benchmarks all start here."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from jaxserve.weights import LoadedModel, load_model
 log = logging.getLogger("jaxserve")
 
 if TYPE_CHECKING:
+    from jaxserve.engine.classify import ClassifyEngine
     from jaxserve.engine.core import Engine
+    from jaxserve.weights.classifier_loader import LoadedClassifier
 
 
 @dataclasses.dataclass
@@ -118,3 +122,35 @@ def start_engine(config: "Config", default_max_model_len: int | None = None) -> 
     compile_engine(engine)
     done = time.perf_counter()
     return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}
+
+
+def start_classify_engine(config: Config) -> tuple["ClassifyEngine", Tokenizer, "LoadedClassifier", dict[str, float]]:
+    """Load the classifier and its tokenizer and compile every step shape: everything before the
+    first request. --max-num-seqs bounds the inputs per step, --max-num-batched-tokens the packed
+    tokens (at least --max-model-len, so any valid input fits). Returns the seconds per phase too."""
+    from jaxserve.engine.build import enable_compilation_cache
+    from jaxserve.engine.classify import ClassifyConfig, ClassifyEngine
+    from jaxserve.weights.classifier_loader import load_classifier
+
+    start = time.perf_counter()
+    if config.compilation_cache_dir is not None:
+        enable_compilation_cache(config.compilation_cache_dir)
+    m = config.model
+    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache)
+    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir)
+    if tokenizer.vocab_size > loaded.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
+                         f"{loaded.config.vocab_size} rows")
+    max_len = resolve_max_model_len(m.max_model_len, loaded.config.max_context,
+                                    "what the model's position embeddings allow:")
+    engine = ClassifyEngine(loaded.model, loaded.config, ClassifyConfig(
+        max_model_len=max_len, max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
+    c = loaded.config
+    log.info("model: %s, %d labels (%s), %s, max_model_len %d, %d step shapes (%s tokens)", c.architecture,
+             c.num_labels, ", ".join(c.labels[:4]) + (" ..." if c.num_labels > 4 else ""),
+             jnp.dtype(loaded.dtype).name, max_len, len(engine.buckets), [b.tokens for b in engine.buckets])
+    loaded_at = time.perf_counter()
+    engine.compile()
+    done = time.perf_counter()
+    return engine, tokenizer, loaded, {"load": loaded_at - start, "compile": done - loaded_at, "total": done - start}

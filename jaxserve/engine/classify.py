@@ -14,8 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +31,9 @@ from jaxserve.engine.classify_batcher import (
     PackingSpec,
     classify_buckets,
 )
-from jaxserve.engine.build import enable_compilation_cache
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.bert import EncoderConfig
 from jaxserve.models.classifier import Classifier, ClassifierConfig
-
-if TYPE_CHECKING:
-    from jaxserve.config import Config
-    from jaxserve.tokenizer import Tokenizer
-    from jaxserve.weights.classifier_loader import LoadedClassifier
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -54,7 +47,6 @@ class ClassifyConfig:
     max_model_len: int  # longest input, in tokens
     max_num_seqs: int = 16  # most inputs per step
     max_num_batched_tokens: int = 0  # most packed tokens per step; raised to max_model_len if smaller
-    compilation_cache_dir: Path | None = None
     token_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_step_tokens
 
     @property
@@ -120,8 +112,6 @@ class ClassifyEngine:
     """Inputs in, logits out; `step()` runs one packed batch. Not thread-safe: one owner thread."""
 
     def __init__(self, model: Classifier, cfg: ClassifierConfig, config: ClassifyConfig):
-        if config.compilation_cache_dir is not None:
-            enable_compilation_cache(config.compilation_cache_dir)
         if not 1 <= config.max_model_len <= cfg.max_context:
             raise ValueError(f"max_model_len {config.max_model_len} must be in [1, {cfg.max_context}] (the model's "
                              "position embeddings)")
@@ -257,34 +247,3 @@ class AsyncClassifyEngine(EngineThread):
         entry = self._futures.pop(request_id, None)
         if entry is not None:
             post(*entry, value)
-
-
-def start_classify_engine(config: "Config") -> tuple[ClassifyEngine, "Tokenizer", "LoadedClassifier", dict[str, float]]:
-    """Load the classifier and its tokenizer and compile every step shape: everything before the
-    first request. --max-num-seqs bounds the inputs per step, --max-num-batched-tokens the packed
-    tokens (at least --max-model-len, so any valid input fits). Returns the seconds per phase too."""
-    from jaxserve.startup import resolve_max_model_len
-    from jaxserve.tokenizer import load_tokenizer
-    from jaxserve.weights.classifier_loader import load_classifier
-
-    start = time.perf_counter()
-    m = config.model
-    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache)
-    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir)
-    if tokenizer.vocab_size > loaded.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
-                         f"{loaded.config.vocab_size} rows")
-    max_len = resolve_max_model_len(m.max_model_len, loaded.config.max_context,
-                                    "what the model's position embeddings allow:")
-    engine = ClassifyEngine(loaded.model, loaded.config, ClassifyConfig(
-        max_model_len=max_len, max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        compilation_cache_dir=config.compilation_cache_dir))
-    c = loaded.config
-    log.info("model: %s, %d labels (%s), %s, max_model_len %d, %d step shapes (%s tokens)", c.architecture,
-             c.num_labels, ", ".join(c.labels[:4]) + (" ..." if c.num_labels > 4 else ""),
-             jnp.dtype(loaded.dtype).name, max_len, len(engine.buckets), [b.tokens for b in engine.buckets])
-    loaded_at = time.perf_counter()
-    engine.compile()
-    done = time.perf_counter()
-    return engine, tokenizer, loaded, {"load": loaded_at - start, "compile": done - loaded_at, "total": done - start}

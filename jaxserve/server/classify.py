@@ -365,7 +365,7 @@ def build_classify_server(config: Any) -> tuple[Quart, AsyncClassifyEngine]:
     """Load and compile the classifier named by `config` (a jaxserve Config) and build its app."""
     import logging
 
-    from jaxserve.engine.classify import start_classify_engine
+    from jaxserve.startup import start_classify_engine
 
     engine, tokenizer, loaded, timings = start_classify_engine(config)
     logging.getLogger("jaxserve").info(
