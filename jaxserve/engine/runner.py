@@ -65,6 +65,7 @@ class ModelRunner:
         self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype, self.programs.kv_sharding)
         self.batch = device_batch.create_batch(num_slots, self.cfg.vocab_size, max_pages_per_seq,
                                                self.programs.replicated)
+        self.param_leaves = self.programs.flat_params(self.params)  # what the steps take (programs.py)
         self._programs: dict[Key, Any] = {}
         # Multi-host: the leader sends each command here before running it (set by the builder).
         self.channel: Any = None
@@ -111,7 +112,7 @@ class ModelRunner:
         if self.channel is not None and is_leader():
             self.channel.send(key, payload)
         if key[0] in STEP_KINDS:
-            self.kv, self.batch, out = compiled(self.params, self.kv, self.batch, payload)
+            self.kv, self.batch, out = compiled(self.param_leaves, self.kv, self.batch, payload)
             return out
         self.batch = compiled(self.batch, payload)
         return None

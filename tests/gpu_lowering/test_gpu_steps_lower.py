@@ -51,9 +51,8 @@ def lowered():
     out = {}
     with use_abstract_mesh(AbstractMesh((), (), abstract_device=H100)):
         for key in (("decode", 1), ("decode", 64), ("prefill", 1024, 8)):
-            payload = {n: jax.ShapeDtypeStruct(s, d) for n, (s, d) in builder.abstract(key).items()}
-            jitted = programs.jitted[key[0]]
-            out[key] = jitted.trace(params, kv, batch, payload).lower(lowering_platforms=("cuda",))
+            traced = programs.trace(key, params, kv, batch, builder.abstract(key))
+            out[key] = traced.lower(lowering_platforms=("cuda",))
     return cfg, out
 
 
