@@ -150,6 +150,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
 
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.build import largest_steps, scratch_reserve
     from jaxserve.engine.device_batch import abstract_batch
     from jaxserve.engine.kv_cache import KVCache, bytes_per_page
     from jaxserve.engine.programs import StepPrograms
@@ -193,11 +194,10 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
         try:
             if num_pages is None:
                 # The server's sizing: the largest steps' scratch, measured against a tiny cache.
-                largest = [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in kinds]
                 probe = [programs.lower(k, params, kv(max_pages_per_seq + 1), batch, builder.abstract(k)).compile()
-                         for k in largest]
+                         for k in largest_steps(keys, kinds)]
                 result.scratch_bytes = max(c.memory_analysis().temp_size_in_bytes for c in probe)
-                reserve = int(result.scratch_bytes * 1.1) + 256 * 2**20
+                reserve = scratch_reserve(result.scratch_bytes)
                 free = hbm - result.weights_bytes - result.batch_bytes - reserve
                 num_pages = int(free * kv_cache_memory_fraction) // kv_page
                 if num_pages < 2:

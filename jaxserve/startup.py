@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-
-from typing import TYPE_CHECKING
 
 from jaxserve.config import Config, ModelConfig
 from jaxserve.models.config import DecoderConfig
@@ -86,8 +85,6 @@ def resolve_decode_steps(requested: int | None, platform: str | None = None) -> 
         if requested < 1:
             raise ValueError(f"--decode-steps must be >= 1, got {requested}")
         return requested
-    import jax
-
     return 1 if (platform or jax.default_backend()) == "cpu" else 8
 
 

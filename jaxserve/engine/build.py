@@ -20,10 +20,11 @@ from jaxserve.engine.core import Engine
 from jaxserve.engine.info import EngineInfo
 from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
 from jaxserve.engine.pages import PageAllocator
+from jaxserve.engine.programs import STEP_KINDS
 from jaxserve.engine.rows import row_params
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.step_inputs import StepInputBuilder
+from jaxserve.engine.step_inputs import Key, StepInputBuilder
 from jaxserve.models.decoder import Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
 from jaxserve.parallel.multihost import StepChannel, smallest_over_processes
@@ -137,12 +138,20 @@ def step_scratch_bytes(decoder: Decoder, config: EngineConfig) -> int:
     forward pass for the same reason)."""
     builder = _input_builder(decoder, config)
     probe = _runner(decoder, config, builder.max_pages_per_seq + 1)
-    keys = builder.keys()
-    largest = [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in ("prefill", "decode")]
     start = time.perf_counter()
-    probe.compile(largest, builder.abstract)
+    probe.compile(largest_steps(builder.keys()), builder.abstract)
     scratch = max(c.memory_analysis().temp_size_in_bytes for c in probe.compiled_steps.values())
     log.info("step scratch memory: %.2f GiB (largest steps, measured in %.1fs); set aside before sizing "
              "the KV cache", scratch / 2**30, time.perf_counter() - start)
     del probe
-    return int(scratch * 1.1) + 256 * 2**20  # headroom for allocator fragmentation
+    return scratch_reserve(scratch)
+
+
+def largest_steps(keys: list[Key], kinds: tuple[str, ...] = STEP_KINDS) -> list[Key]:
+    """The largest step of each kind among `keys`: the ones whose scratch memory is measured."""
+    return [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in kinds]
+
+
+def scratch_reserve(scratch_bytes: int) -> int:
+    """Memory set aside for the steps before the KV cache is sized (also by jaxserve.plan)."""
+    return int(scratch_bytes * 1.1) + 256 * 2**20  # headroom for allocator fragmentation
