@@ -114,7 +114,8 @@ def start_engine(config: "Config", default_max_model_len: int | None = None) -> 
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend)
-    engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False)
+    # The engine takes the weights: nothing here uses the loaded module again.
+    engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True)
     loaded = time.perf_counter()
     compile_engine(engine)
     done = time.perf_counter()

@@ -55,9 +55,11 @@ def enable_compilation_cache(directory: Path) -> None:
 
 
 def build_engine(decoder: Decoder, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 compile: bool = True) -> Engine:
+                 compile: bool = True, take_weights: bool = False) -> Engine:
     """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
-    call `compile_engine`)."""
+    call `compile_engine`). take_weights: the engine may free `decoder`'s weight buffers where it
+    keeps them in another layout (the CPU kernel's), so start-up never holds two copies of the
+    model; `decoder` is unusable afterwards (the engine's own weights are runner.params)."""
     cfg = decoder.cfg
     sched = config.scheduler
     if sched.max_model_len > cfg.max_position_embeddings:
@@ -69,7 +71,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer, config: EngineConfig = 
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
         reserve = step_scratch_bytes(decoder, config)
     num_pages = _num_pages(decoder, config, reserve)
-    runner = _runner(decoder, config, num_pages)
+    runner = _runner(decoder, config, num_pages, take_weights)
     if jax.process_count() > 1:
         # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
         runner.channel = StepChannel(builder.keys(), builder.abstract)
@@ -97,12 +99,12 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         row_params=lambda seq: row_params(seq, eos_ids))
 
 
-def _runner(decoder: Decoder, config: EngineConfig, num_pages: int) -> ModelRunner:
+def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights: bool = False) -> ModelRunner:
     sched = config.scheduler
     return ModelRunner(decoder, num_pages, config.cache.page_size,
                        math.ceil(sched.max_model_len / config.cache.page_size), sched.max_num_seqs + 1,
                        attention_backend=config.attention_backend, matmul_backend=config.matmul_backend,
-                       decode_steps=sched.decode_steps)
+                       decode_steps=sched.decode_steps, take_weights=take_weights)
 
 
 def compile_engine(engine: Engine) -> float:

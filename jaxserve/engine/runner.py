@@ -5,8 +5,10 @@ time and runs a step's commands through them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -26,6 +28,10 @@ from jaxserve.parallel.multihost import is_leader, to_host
 
 log = logging.getLogger("jaxserve.engine")
 
+# Programs XLA compiles at once at start-up (at most one per core): each compile holds a program's
+# compiler state in host memory, so a few at a time, not all of them.
+COMPILE_THREADS = 4
+
 
 class ModelRunner:
     def __init__(
@@ -40,11 +46,14 @@ class ModelRunner:
         attention_backend: str = "reference",
         matmul_backend: str = "xla",
         decode_steps: int = 1,
+        take_weights: bool = False,
     ):
+        """take_weights: the runner may free `decoder`'s weight buffers once it has its own copies
+        (the CPU kernel's packed layout), so the caller must not use `decoder` afterwards."""
         self.cfg = decoder.cfg
         self.graphdef, params = nnx.split(decoder)
         # The weights' types pick their products (jaxserve.models.products).
-        self.params = products.place(params, matmul_backend, decoder.head_path)
+        self.params = products.place(params, matmul_backend, decoder.head_path, consume=take_weights)
         self.max_pages_per_seq = max_pages_per_seq
         self.num_slots = num_slots
         cpu = jax.devices()[0].platform == "cpu"
@@ -85,17 +94,34 @@ class ModelRunner:
     # ---- ahead-of-time compilation ----------------------------------------------------------------
     def compile(self, keys: list[Key], abstract: Callable[[Key], dict[str, tuple[tuple[int, ...], Any]]]) -> dict[Key, float]:
         """Compile every command shape now (progress bar; seconds per step shape logged). With the
-        persistent compilation cache warm, this is mostly cache reads."""
+        persistent compilation cache warm, this is mostly cache reads.
+
+        Tracing and lowering hold the GIL, so they run here one program after another, while XLA
+        compiles (or loads from the cache) the programs already lowered on a pool of threads: the
+        Python work of the next program overlaps the compiler's of the last ones, and on a
+        multi-core host several programs compile at once (XLA releases the GIL)."""
         seconds: dict[Key, float] = {}
-        with tqdm(keys, desc="compiling steps", unit="shape", disable=None) as bar:
-            for key in bar:
-                bar.set_postfix_str(" ".join(map(str, key)))
+        workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
+
+        def compile_one(key: Key, lowered: jax.stages.Lowered, lowering_seconds: float) -> tuple[Key, Any, float]:
+            start = time.perf_counter()
+            return key, lowered.compile(), lowering_seconds + time.perf_counter() - start
+
+        with tqdm(total=len(keys), desc="compiling steps", unit="shape", disable=None) as bar, \
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+            pending = []
+            for key in keys:
                 start = time.perf_counter()
-                self._programs[key] = self.programs.lower(key, self.params, self.kv, self.batch,
-                                                          abstract(key)).compile()
-                seconds[key] = time.perf_counter() - start
+                lowered = self.programs.lower(key, self.params, self.kv, self.batch, abstract(key))
+                pending.append(pool.submit(compile_one, key, lowered, time.perf_counter() - start))
+            for future in concurrent.futures.as_completed(pending):
+                key, compiled, took = future.result()
+                self._programs[key] = compiled
+                seconds[key] = took
+                bar.set_postfix_str(" ".join(map(str, key)))
+                bar.update()
                 if key[0] in STEP_KINDS:
-                    log.info("compiled %s step %s in %.2fs", key[0], key[1:], seconds[key])
+                    log.info("compiled %s step %s in %.2fs", key[0], key[1:], took)
         return seconds
 
     @property

@@ -26,7 +26,7 @@ needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CP
 
 def test_resolve_backend():
     assert products.resolve_backend("xla", jnp.bfloat16, "cpu") == "xla"
-    assert f"up to {cpu_matmul.MAX_ROWS} rows" in products.describe_backend("cpu")
+    assert "packed in strips" in products.describe_backend("cpu")
     # The kernel computes bfloat16 only, on the CPU only, and has no sharding rule.
     assert products.resolve_backend("auto", jnp.float32, "cpu") == "xla"
     assert products.resolve_backend("auto", jnp.bfloat16, "gpu") == "xla"
@@ -58,8 +58,6 @@ def test_decoder_logits_with_kernel_products(name, tmp_path):
     tokens = jnp.asarray([[1, 17, 99, 5, 200, 33, 7, 250], [1, 42, 9, 8, 7, 6, 5, 4]], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
     lengths = jnp.asarray([8, 8])
-    hidden_rows = tokens.size  # 16: within the kernel's MAX_ROWS, so every product takes it
-    assert hidden_rows <= cpu_matmul.MAX_ROWS
     ref = np.asarray(f32(tokens, positions, lengths))
     xla = np.asarray(bf16(tokens, positions, lengths))
     graphdef, state = nnx.split(bf16)
@@ -68,11 +66,36 @@ def test_decoder_logits_with_kernel_products(name, tmp_path):
     traced = str(jax.make_jaxpr(lambda t: native_model(t, positions, lengths))(tokens))
     # The kernel really runs: 7 products per layer (traced once, called per layer) and the head.
     assert traced.count(cpu_matmul.TARGET) == 8, traced.count(cpu_matmul.TARGET)
+    # The embedding lookup reads the packed head's columns: the same rows as the plain embedding.
+    tied = bf16.lm_head is None
+    placed = products.place(state, "cpu", bf16.head_path)
+    assert isinstance(placed["embed_tokens"].get_value() if tied else placed["lm_head"].get_value(), products.CpuWeight)
+    ids = jnp.asarray([[0, 31, 32, 255]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(native_model.embed(ids)), np.asarray(bf16.embed(ids)))
     xla_err, native_err = np.abs(xla - ref).max(), np.abs(native - ref).max()
     assert native_err <= 1.5 * xla_err, (native_err, xla_err)
     top2 = np.sort(ref, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > 4 * xla_err
     assert clear.any() and (native.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+@needs_kernel
+def test_place_consume_frees_the_originals_once_packed(tmp_path):
+    """With consume (what start-up asks for), each original kernel buffer is freed once its packed
+    copy exists, so start-up never holds the model twice; the packed weights multiply the same."""
+    make_tiny_model("qwen3", tmp_path)
+    model = load_model(tmp_path, "bfloat16", use_cache=False).model
+    graphdef, state = nnx.split(model)
+    kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state) if "'kernel'" in jax.tree_util.keystr(path)]
+    assert len(kernels) == 7 * model.cfg.num_layers
+    x = jnp.ones((3, kernels[0].shape[0]), jnp.bfloat16)
+    expected = np.asarray(x @ kernels[0], np.float32)
+    placed = products.place(state, "cpu", model.head_path, consume=True)
+    assert all(k.is_deleted() for k in kernels)
+    first = [w for w in jax.tree_util.tree_leaves(placed, is_leaf=lambda a: isinstance(a, products.CpuWeight))
+             if isinstance(w, products.CpuWeight)]
+    packed = next(w for w in first if w.n == expected.shape[1] and w.value.shape[1] == x.shape[1])
+    np.testing.assert_allclose(np.asarray(products.linear(x, packed), np.float32), expected, rtol=2**-7)
 
 
 @needs_kernel

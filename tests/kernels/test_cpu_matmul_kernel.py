@@ -33,24 +33,37 @@ def _check(got, x, w_kn):
     assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
 
 
-# Rows: 1 (a decode step of one sequence), counts around the 12-row pass and the 4-row transposed
-# tile, and the largest the kernel takes. K and N: multiples of the 32-wide strips, odd K (the last
-# row pairs with zeros) and N not a multiple of 32 / of the transposed tile (masked tails).
+def _packed(w):
+    return jax.jit(cpu_matmul.pack)(w)
+
+
+# Rows: 1 (a decode step of one sequence), counts around the 12-row pass, and prefill sizes (the
+# kernel takes every row count). K and N: multiples of the 32-wide strips, odd K (the last row pairs
+# with zeros) and N not a multiple of 32 (a padded last strip, stored masked).
 SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (12, 64, 64), (13, 96, 32),
-          (16, 576, 192), (17, 31, 33), (25, 64, 96), (32, 576, 576), (5, 7, 1)]
+          (16, 576, 192), (17, 31, 33), (25, 64, 96), (32, 576, 576), (5, 7, 1), (64, 96, 40), (203, 130, 70)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_products_match_float64_sums(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = _bf16(rng, m, k), _bf16(rng, k, n)
-    got = jax.jit(cpu_matmul.matmul)(x, w)
+    assert cpu_matmul.uses_kernel(x, _packed(w))
+    got = jax.jit(cpu_matmul.matmul, static_argnums=2)(x, _packed(w), n)
     assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
     _check(got, x, w)
-    wt = jnp.asarray(np.asarray(w).T)  # [N, K]: an LM head tied to the embedding
-    got_t = jax.jit(cpu_matmul.matmul_transposed)(x, wt)
-    assert got_t.shape == (m, n)
-    _check(got_t, x, w)
+
+
+def test_pack_layout():
+    """Strip s holds columns [32 s, 32 s + 32) of every row, contiguous; the padding is zeros;
+    unpack gives the weight back."""
+    w = jnp.arange(3 * 70, dtype=jnp.float32).reshape(3, 70).astype(jnp.bfloat16)
+    packed = cpu_matmul.pack(w)
+    assert packed.shape == (3, 3, 32)
+    np.testing.assert_array_equal(np.asarray(packed[1, 2]), np.asarray(w[2, 32:64]))
+    np.testing.assert_array_equal(np.asarray(packed[2, :, :6]), np.asarray(w[:, 64:]))
+    assert not np.asarray(packed[2, :, 6:], np.float32).any()
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed, 70)), np.asarray(w))
 
 
 def test_leading_dims_are_rows():
@@ -58,37 +71,31 @@ def test_leading_dims_are_rows():
     rng = np.random.default_rng(7)
     m, k, n = 6, 96, 64
     x, w = _bf16(rng, 2, 3, k), _bf16(rng, k, n)
-    got = jax.jit(cpu_matmul.matmul)(x, w)
-    got_t = jax.jit(cpu_matmul.matmul_transposed)(x, jnp.asarray(np.asarray(w).T))
-    assert got.shape == got_t.shape == (2, 3, n)
+    got = cpu_matmul.matmul(x, _packed(w), n)
+    assert got.shape == (2, 3, n)
     _check(got.reshape(m, n), x.reshape(m, k), w)
-    _check(got_t.reshape(m, n), x.reshape(m, k), w)
 
 
 def test_what_the_kernel_does_not_cover_goes_to_xla():
-    """More rows than MAX_ROWS (prefill), and float32, are XLA's dot: bit-identical to x @ w."""
+    """float32 operands are XLA's GEMM on the strips: bit-identical to x @ w."""
     rng = np.random.default_rng(3)
-    big = _bf16(rng, cpu_matmul.MAX_ROWS + 1, 64)
-    w = _bf16(rng, 64, 32)
-    assert not cpu_matmul.supports(big, w) and cpu_matmul.supports(big[:4], w)
-    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(big, w)), np.asarray(big @ w))
-    x32, w32 = big[:4].astype(jnp.float32), w.astype(jnp.float32)
-    assert not cpu_matmul.supports(x32, w32)
-    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x32, w32)), np.asarray(x32 @ w32))
-    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul_transposed(big, w.T)),
-                                  np.asarray(jnp.einsum("mk,nk->mn", big, w.T)))
+    x32, w32 = _bf16(rng, 4, 64).astype(jnp.float32), _bf16(rng, 64, 40).astype(jnp.float32)
+    assert not cpu_matmul.uses_kernel(x32, cpu_matmul.pack(w32))
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.matmul(x32, cpu_matmul.pack(w32), 40)),
+                                  np.asarray(x32 @ w32))
 
 
 def test_edges_and_bad_shapes():
-    """K = 0 (XLA's zeros: the kernel leaves it to XLA), and shapes that do not fit together
-    (refused while tracing, on both paths)."""
+    """K = 0 (zeros), and shapes that do not fit together (refused while tracing)."""
     rng = np.random.default_rng(5)
-    empty = jax.jit(cpu_matmul.matmul)(jnp.zeros((3, 0), jnp.bfloat16), jnp.zeros((0, 5), jnp.bfloat16))
+    empty = jax.jit(cpu_matmul.matmul, static_argnums=2)(jnp.zeros((3, 0), jnp.bfloat16),
+                                                         cpu_matmul.pack(jnp.zeros((0, 5), jnp.bfloat16)), 5)
     np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((3, 5)))
     w = _bf16(rng, 16, 8)
-    for rows in (4, cpu_matmul.MAX_ROWS + 4):  # the kernel and the fallback
-        x = _bf16(rng, rows, 16)
-        with pytest.raises(ValueError, match="2-D weight"):
-            cpu_matmul.matmul(x, jnp.stack([w, w]))  # a stacked weight
-        with pytest.raises(ValueError, match="disagree on K"):
-            cpu_matmul.matmul_transposed(x, w)  # [16, 8] is [N, K] with K = 8, not 16
+    x = _bf16(rng, 4, 16)
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_matmul.pack(jnp.stack([w, w]))  # a stacked weight
+    with pytest.raises(ValueError, match="disagree on K"):
+        cpu_matmul.matmul(x, cpu_matmul.pack(w.T), 16)  # [8, 16]: K = 8, not 16
+    with pytest.raises(ValueError, match="does not hold 40 columns"):
+        cpu_matmul.matmul(x, cpu_matmul.pack(w), 40)
