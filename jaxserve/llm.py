@@ -51,7 +51,10 @@ class LLM:
         decode_steps: int | None = None,
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
+        prompt_special_tokens: str = "parse",
     ):
+        """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
+        as in HF and vLLM) or "text" (they stay characters)."""
         from jaxserve.cli import default_model
 
         model = model or default_model()
@@ -60,7 +63,8 @@ class LLM:
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
-                              cache_dir=cache_dir, load_format=load_format),
+                              cache_dir=cache_dir, load_format=load_format,
+                              prompt_special_tokens=prompt_special_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
@@ -138,7 +142,7 @@ class LLM:
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         order: list[str] = []
         for prompt, p in zip(prompts, per_prompt):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, ids, dataclasses.replace(p))
             order.append(request_id)

@@ -66,7 +66,8 @@ def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True) 
                         load_format=cfg.load_format,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
-    tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template, cache_dir=cfg.cache_dir)
+    tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template, cache_dir=cfg.cache_dir,
+                               prompt_special_tokens=cfg.prompt_special_tokens)
     if tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
@@ -135,7 +136,8 @@ def start_classify_engine(config: Config) -> tuple["ClassifyEngine", Tokenizer, 
         enable_compilation_cache(config.compilation_cache_dir)
     m = config.model
     loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache)
-    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir)
+    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir,
+                               prompt_special_tokens=m.prompt_special_tokens)
     if tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
                          f"{loaded.config.vocab_size} rows")

@@ -1,8 +1,11 @@
 """Tokenizer: the model's HF fast tokenizer, sandboxed chat templates, incremental detokenizing.
 
 Two rules shape this module:
-- Text from a user is never parsed into special tokens. Only the chat template may put them in;
-  a user who types "<|im_end|>" gets the characters, not the control token.
+- Text inside chat messages is never parsed into special tokens. Only the chat template may put
+  them in; a user who types "<|im_end|>" in a message gets the characters, not the control token.
+  A raw prompt (completions, /generate, Triton, offline strings) is different: its caller wrote
+  the whole prompt, markup included, so special-token strings in it are the tokens, as HF, vLLM
+  and SGLang parse them, unless the operator asks for them to stay text (`prompt_special_tokens`).
 - Streaming never shows half a character: text is released only once its bytes are complete, and
   the concatenated stream equals the full decode of the same tokens.
 """
@@ -56,12 +59,23 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
-class Tokenizer:
-    """A model's tokenizer: encode, decode, chat templates. Wraps a HF PreTrainedTokenizerFast."""
+# How raw prompts treat special-token strings (--prompt-special-tokens).
+PROMPT_SPECIAL_TOKENS = ("parse", "text")
 
-    def __init__(self, hf: Any, chat_template: str | None = None):
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, chat templates. Wraps a HF PreTrainedTokenizerFast.
+
+    prompt_special_tokens: "parse" (special-token strings in a raw prompt are the tokens, as in HF,
+    vLLM and SGLang) or "text" (they stay characters, as inside chat messages)."""
+
+    def __init__(self, hf: Any, chat_template: str | None = None, prompt_special_tokens: str = "parse"):
+        if prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
+            raise ValueError(f"prompt_special_tokens must be one of {', '.join(PROMPT_SPECIAL_TOKENS)}, "
+                             f"got {prompt_special_tokens!r}")
         self.hf = hf
         self.chat_template = chat_template or getattr(hf, "chat_template", None)
+        self.prompt_special_tokens = prompt_special_tokens
         self.special_ids = frozenset(hf.all_special_ids) | frozenset(
             i for i, t in hf.added_tokens_decoder.items() if t.special
         )
@@ -80,8 +94,14 @@ class Tokenizer:
 
     # ---- encoding -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of user text; special-token strings in it stay plain text."""
+        """Token ids of user text inside a larger prompt; special-token strings in it stay plain text."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a raw prompt, written whole by its caller: special-token strings in it are
+        the special tokens (HF's own `encode`), unless prompt_special_tokens is "text"."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens,
+                              split_special_tokens=self.prompt_special_tokens == "text")
 
     def render_chat(
         self,
@@ -183,7 +203,8 @@ def _texts(message: dict[str, Any]) -> list[str]:
 
 
 def load_tokenizer(
-    directory: Path, gguf_file: str | None = None, chat_template: str | None = None, cache_dir: Path | None = None
+    directory: Path, gguf_file: str | None = None, chat_template: str | None = None, cache_dir: Path | None = None,
+    prompt_special_tokens: str = "parse",
 ) -> Tokenizer:
     """The tokenizer of a HF directory, or the one embedded in a GGUF file's metadata.
 
@@ -216,7 +237,7 @@ def load_tokenizer(
         raise ValueError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
     if chat_template and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    return Tokenizer(hf, chat_template or embedded or getattr(hf, "chat_template", None))
+    return Tokenizer(hf, chat_template or embedded or getattr(hf, "chat_template", None), prompt_special_tokens)
 
 
 _GGUF_META_FILE = "gguf_tokenizer_meta.json"

@@ -24,6 +24,7 @@ from jaxserve.server.base_app import (
 )
 from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.model_names import ModelNames
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.server")
@@ -32,7 +33,7 @@ log = logging.getLogger("jaxserve.server")
 def create_app(
     async_engine: AsyncEngine,
     tokenizer: Tokenizer,
-    served_model_name: str,
+    served_model_name: str | ModelNames,
     max_model_len: int,
     api_keys: tuple[str, ...] = (),
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -44,10 +45,11 @@ def create_app(
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
+    names = ModelNames.of(served_model_name)
     state = ServerState(
-        engine=async_engine, tokenizer=tokenizer, model_name=served_model_name, max_model_len=max_model_len,
-        max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
-        metrics=_metrics(served_model_name, async_engine),
+        engine=async_engine, tokenizer=tokenizer, model_name=names.primary, model_names=names,
+        max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
+        metrics=_metrics(names.primary, async_engine),
         structured=structured,
     )
     app = base_app(state, api_keys, max_request_bytes,
@@ -91,6 +93,9 @@ def hypercorn_config(host: str, port: int, shutdown_timeout: float) -> Hypercorn
     # backstop (on Python 3.12 it waits for open connections before its timeout even starts).
     config.graceful_timeout = shutdown_timeout + 5.0
     config.accesslog = None
+    # Hypercorn's own lines follow the third-party level (cli.configure_logging): jaxserve logs
+    # where it serves itself.
+    config.loglevel = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     config.keep_alive_timeout = 75
     return config
 

@@ -31,6 +31,7 @@ from jaxserve.server.base_app import (
 from jaxserve.server.errors import ApiError, error_response
 from jaxserve.server.generation import new_id, route
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.model_names import ModelNames, served_names
 from jaxserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -86,6 +87,11 @@ class ClassifyState:
     num_in_flight: int = 0
     draining: bool = False
     in_flight: set[str] = dataclasses.field(default_factory=set)  # engine request ids
+    model_names: ModelNames | None = None  # what requests may name; default: model_name alone
+
+    def __post_init__(self) -> None:
+        if self.model_names is None:
+            self.model_names = ModelNames((self.model_name,))
 
     def abort_all(self) -> int:
         """End every in-flight input (their requests get a 503); used when shutdown times out."""
@@ -130,9 +136,7 @@ class ClassifyState:
 
 # ---- request handling ----------------------------------------------------------------------------
 def check_model(state: Any, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
-                       "model", code="model_not_found")
+    state.model_names.check(name)
 
 
 def _texts_or_ids(value: Any, param: str) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -273,11 +277,8 @@ async def _legacy_classify(state: ClassifyState, req: LegacyClassifyRequest) -> 
 
 
 async def models(state: ClassifyState) -> Response:
-    """The served model."""
-    return jsonify({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-        "root": state.model_name, "parent": None, "max_model_len": state.max_model_len, "permission": [],
-    }]})
+    """The served model, once per name it is served under."""
+    return jsonify(state.model_names.cards(state.created, state.max_model_len))
 
 
 async def get_model_info(state: ClassifyState) -> Response:
@@ -298,7 +299,7 @@ async def refuse_generation(state: ClassifyState, **_: Any) -> Response:
 def create_classify_app(
     engine: AsyncClassifyEngine,
     tokenizer: Tokenizer,
-    served_model_name: str,
+    served_model_name: str | ModelNames,
     config: ClassifierConfig,
     max_model_len: int,
     api_keys: tuple[str, ...] = (),
@@ -309,10 +310,11 @@ def create_classify_app(
     """The app of a classification model: /v1/classify and /classify, /v1/models, /health,
     /metrics, /openapi.json, SGLang's /get_model_info; generation routes answer 400."""
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
-    metrics = Metrics(served_model_name)
+    names = ModelNames.of(served_model_name)
+    metrics = Metrics(names.primary)
     metrics.gauge("num_requests_waiting", "Inputs waiting for a classification step.", lambda: engine.num_waiting)
     metrics.gauge("num_requests_running", "Inputs queued or in a step.", lambda: engine.num_requests)
-    state = ClassifyState(engine=engine, tokenizer=tokenizer, model_name=served_model_name, config=config,
+    state = ClassifyState(engine=engine, tokenizer=tokenizer, model_name=names.primary, model_names=names, config=config,
                           max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                           request_timeout=request_timeout, metrics=metrics)
     app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None)
@@ -373,7 +375,7 @@ def build_classify_server(config: Any) -> tuple[Quart, AsyncClassifyEngine]:
         timings["compile"], len(engine.compile_seconds))
     async_engine = AsyncClassifyEngine(engine)
     srv = config.server
-    app = create_classify_app(async_engine, tokenizer, config.model.served_model_name, loaded.config,
+    app = create_classify_app(async_engine, tokenizer, served_names(config), loaded.config,
                               engine.config.max_model_len, api_keys=srv.api_keys,
                               max_request_bytes=srv.max_request_bytes,
                               max_concurrent_requests=srv.max_concurrent_requests,

@@ -26,6 +26,7 @@ from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server.errors import ApiError
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.model_names import ModelNames
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.spec import GuideSpec
@@ -51,6 +52,11 @@ class ServerState:
     flights: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
     _grammars: GrammarCompiler | None = None
     _grammars_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    model_names: ModelNames | None = None  # what requests may name; default: model_name alone
+
+    def __post_init__(self) -> None:
+        if self.model_names is None:
+            self.model_names = ModelNames((self.model_name,))
 
     @property
     def vocab_size(self) -> int:

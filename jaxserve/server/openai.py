@@ -42,9 +42,7 @@ async def parse(model: type[M]) -> M:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{state.model_name}`.",
-                       "model", code="model_not_found")
+    state.model_names.check(name)
 
 
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -199,7 +197,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
     else:
         texts = None
     if texts is not None:
-        prompts = [state.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
+        prompts = [state.tokenizer.encode_prompt(t, add_special_tokens=req.add_special_tokens) for t in texts]
     elif p and isinstance(p[0], int):
         prompts = [list(p)]  # type: ignore[arg-type]
     else:
@@ -324,11 +322,8 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_
 
 # ---- models, tokenize, detokenize -----------------------------------------------------------------
 async def models(state: ServerState) -> Response:
-    """The served model."""
-    return jsonify({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-        "root": state.model_name, "parent": None, "max_model_len": state.max_model_len, "permission": [],
-    }]})
+    """The served model, once per name it is served under."""
+    return jsonify(state.model_names.cards(state.created, state.max_model_len))
 
 
 async def tokenize(state: ServerState) -> Response:
@@ -342,7 +337,7 @@ async def tokenize(state: ServerState) -> Response:
             raise ApiError(400, "messages: must not be empty", "messages")
         ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs)
     else:
-        ids = state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        ids = state.tokenizer.encode_prompt(req.prompt or "", add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                             "token_strs": None}
     if req.return_token_strs:

@@ -40,8 +40,12 @@ async def chat_completions(state: ServerState) -> Response:
     forced = forced_tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
-    if req.prompt_token_ids is not None:
-        prompt = list(req.prompt_token_ids)
+    token_messages = isinstance(req.messages[0], int)  # FastDeploy: the prompt's token ids as `messages`
+    if token_messages and req.prompt_token_ids is not None:
+        raise ApiError(400, "messages: token ids here are the prompt; do not also send prompt_token_ids",
+                       "messages")
+    if req.prompt_token_ids is not None or token_messages:
+        prompt = list(req.prompt_token_ids if req.prompt_token_ids is not None else req.messages)  # type: ignore[arg-type]
     elif req.disable_chat_template:
         prompt = state.tokenizer.encode("".join(m["content"] for m in chat_messages(req.messages)
                                                 if isinstance(m.get("content"), str)))

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_SEED = 922337203685477580  # FastDeploy's `seed` bound
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -30,7 +32,8 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # FastDeploy's documented bound (its chat and completions docs); vLLM's int64 range is wider.
+    seed: int | None = Field(default=None, le=MAX_SEED)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -85,7 +88,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # FastDeploy also takes the prompt as token ids here (`Union[List[Any], List[int]]`).
+    messages: list[ChatMessage] | list[int] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

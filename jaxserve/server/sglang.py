@@ -106,7 +106,7 @@ def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], 
         raise ApiError(400, "give exactly one of text and input_ids", "text")
     if req.text is not None:
         batch = isinstance(req.text, list)
-        prompts = [state.tokenizer.encode(t) for t in (req.text if batch else [req.text])]  # type: ignore[union-attr]
+        prompts = [state.tokenizer.encode_prompt(t) for t in (req.text if batch else [req.text])]  # type: ignore[union-attr]
     else:
         ids = req.input_ids or []
         batch = bool(ids) and isinstance(ids[0], list)

@@ -36,8 +36,7 @@ class GenerateRequest(BaseModel):
 
 
 def _check_model(state: ServerState, name: str, version: str | None) -> None:
-    if name != state.model_name:
-        raise ApiError(404, f"unknown model '{name}'; this server serves '{state.model_name}'", "model")
+    state.model_names.check(name)
     if version is not None and version != VERSION:
         raise ApiError(404, f"unknown version '{version}' of model '{name}'; available: {VERSION}", "version")
 
@@ -111,7 +110,7 @@ async def generate(state: ServerState, name: str, version: str | None = None) ->
     body, params, raw = await _parse(state, name, version)
     prompt = body["text_input"]
     async with state.admit() as flight:
-        await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
+        await flight.submit(new_id("triton"), state.tokenizer.encode_prompt(prompt), params)
         (res,) = await flight.collect()
     # The vLLM backend returns the prompt followed by the completion unless told otherwise.
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
@@ -137,7 +136,7 @@ async def generate_stream(state: ServerState, name: str, version: str | None = N
             yield sse.event(error_event(e, "triton"))
 
     async with state.admit() as flight:
-        stream = await flight.submit(new_id("triton"), state.tokenizer.encode(prompt), params)
+        stream = await flight.submit(new_id("triton"), state.tokenizer.encode_prompt(prompt), params)
         return sse.sse_response(flight.respond(events(stream)))
 
 

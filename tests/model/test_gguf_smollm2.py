@@ -16,6 +16,8 @@ RAW_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n",
     "Once upon a time, in a small village by the sea,",
+    # A raw prompt that spells the chat markup itself: its special tokens are parsed as HF does.
+    "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n",
 ]
 CHATS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
@@ -31,7 +33,9 @@ def tokenizer(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [tokenizer.encode(p) for p in RAW_PROMPTS] + [tokenizer.encode_chat(c) for c in CHATS]
+    raw = [tokenizer.encode_prompt(p) for p in RAW_PROMPTS]
+    assert raw == [tokenizer.hf(p)["input_ids"] for p in RAW_PROMPTS]  # HF's own tokenization
+    return raw + [tokenizer.encode_chat(c) for c in CHATS]
 
 
 def test_greedy_continuations_match_hf(prompts):

@@ -21,6 +21,8 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
+    encode_prompt = encode  # no special tokens to parse
+
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode("".join(m["content"] for m in messages))
 

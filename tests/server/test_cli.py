@@ -21,6 +21,23 @@ def test_help_documents_every_flag():
         assert flag in out
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
+    # A default is said once, and only where it says something.
+    assert "(default: None)" not in out and "(default: False)" not in out
+    assert "(default: parse)" in out
+
+
+def test_model_name_and_prompt_flags(tmp_path):
+    args = parse_args(["--model", "/m", "--served-model-name", "smollm2", "llama3", "smollm2",
+                       "--accept-any-model-name", "--prompt-special-tokens", "text"])
+    m = config_from_args(args).model
+    assert m.served_model_names == ("smollm2", "llama3") and m.served_model_name == "smollm2"
+    assert m.accept_any_model_name and m.prompt_special_tokens == "text"
+    defaults = config_from_args(parse_args(["--model", "/m"])).model
+    assert defaults.served_model_names == ("m",) and not defaults.accept_any_model_name
+    assert defaults.prompt_special_tokens == "parse"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m\nserved-model-name: one\n")  # a YAML scalar is one name
+    assert config_from_args(parse_args(["--config", str(cfg)])).model.served_model_names == ("one",)
 
 
 def test_yaml_config_and_cli_precedence(tmp_path):
@@ -94,11 +111,11 @@ def test_python_m_jaxserve_serves_and_stops_on_sigterm(tmp_path):
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve", "--model", str(tmp_path / "tiny"), "--cache-dir", str(tmp_path / "c"),
-         "--max-model-len", "128", "--port", str(port), "--served-model-name", "tiny", "--max-num-seqs", "2",
+         "--max-model-len", "128", "--port", str(port), "--served-model-name", "tiny", "alias", "--max-num-seqs", "2",
          "--max-num-batched-tokens", "16", "--num-pages", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    body = {"model": "tiny", "prompt": "w5 w9 w13", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"model": "alias", "prompt": "w5 w9 w13", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     loading: list[httpx.Response] = []
     try:
         deadline = time.monotonic() + 240
@@ -126,6 +143,9 @@ def test_python_m_jaxserve_serves_and_stops_on_sigterm(tmp_path):
             proc.kill()
     assert proc.returncode == 0, out
     assert "Qwen3ForCausalLM" in out and "max_model_len 128" in out and "ready in" in out
+    # Start-up shows jaxserve's own lines, not third-party INFO chatter (orbax, absl, jax's backends).
+    chatter = [line for line in out.splitlines() if " INFO " in line and " jaxserve" not in line]
+    assert not chatter, chatter[:5]
 
 
 def test_max_model_len_beyond_the_model_is_refused(tmp_path):

@@ -1,0 +1,53 @@
+"""Which model names a request may send: the served names (--served-model-name A B ...), an
+omitted model, the generic names the seed documents' examples send, or any name with
+--accept-any-model-name. One check shared by every route that takes a model name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.server.errors import ApiError
+
+# Names that mean "whatever this server serves": FastDeploy's examples send "default" and "null".
+GENERIC_NAMES = ("default", "null")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNames:
+    names: tuple[str, ...]  # the first is the one responses report
+    accept_any: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("a server serves at least one model name")
+
+    @classmethod
+    def of(cls, served: "str | ModelNames") -> "ModelNames":
+        return served if isinstance(served, ModelNames) else cls((served,))
+
+    @property
+    def primary(self) -> str:
+        return self.names[0]
+
+    def accepts(self, name: str | None) -> bool:
+        return name is None or self.accept_any or name in self.names or name in GENERIC_NAMES
+
+    def check(self, name: str | None, param: str = "model") -> None:
+        """404 (OpenAI's model_not_found) unless a request naming `name` is for this server."""
+        if not self.accepts(name):
+            served = ", ".join(f"`{n}`" for n in self.names)
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", param,
+                           code="model_not_found")
+
+    def cards(self, created: int, max_model_len: int) -> dict:
+        """/v1/models: one card per served name (as vLLM lists them), the reported one first."""
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": self.primary,
+            "parent": None, "max_model_len": max_model_len, "permission": [],
+        } for name in self.names]}
+
+
+def served_names(config: Any) -> ModelNames:
+    """The names a server started from `config` (jaxserve.config.Config) answers to."""
+    return ModelNames(config.model.served_model_names, config.model.accept_any_model_name)
