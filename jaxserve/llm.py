@@ -27,7 +27,9 @@ from jaxserve.startup import start_engine
 from jaxserve.structured import spec as guide
 from jaxserve.structured.matcher import Grammar
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [ids]}.
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]  # {"role": ..., "content": ...}, as the chat completions API takes them
 
 
 class LLM:
@@ -133,16 +135,54 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]} dicts); outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        return self._run([self._prompt_ids(p) for p in prompts], sampling_params, use_tqdm)  # type: ignore[union-attr]
+
+    def chat(
+        self,
+        messages: Seq[Message] | Seq[Seq[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several (a list of
+        such lists), rendered by the model's chat template (or `chat_template`) exactly as the
+        chat completions route renders them: text in messages never becomes special tokens."""
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                              tools=tools) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, dict):
+            keys = set(prompt) & {"prompt", "prompt_token_ids"}
+            if len(keys) != 1:
+                raise ValueError(f"a prompt dict holds one of 'prompt' and 'prompt_token_ids'; got keys {sorted(prompt)}")
+            if "prompt" in keys:
+                return self.tokenizer.encode_prompt(prompt["prompt"])
+            return list(prompt["prompt_token_ids"])
+        return list(prompt)
+
+    def _run(self, prompts: list[list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         order: list[str] = []
-        for prompt, p in zip(prompts, per_prompt):
-            ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        for ids, p in zip(prompts, per_prompt):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, ids, dataclasses.replace(p))
             order.append(request_id)

@@ -1,4 +1,5 @@
-"""The offline API: LLM(model=...).generate(prompts, SamplingParams) in prompt order."""
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams) in prompt order, vLLM's
+prompt dicts, and LLM.chat."""
 
 from __future__ import annotations
 
@@ -32,4 +33,19 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     assert [o.text.strip() in ("w7", "w9") and o.finish_reason == "stop" for o in out.outputs] == [True] * 4
     with pytest.raises(ValueError, match="one kind of structured output"):
         llm.structured(regex="w1", choice=["w2"])
+    # vLLM's prompt dicts, and chat: the same tokens as the equivalent plain prompts.
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    by_dict = llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt": "w5 w9"}], greedy, use_tqdm=False)
+    assert by_dict[0].outputs[0].token_ids == expected[1][:3]
+    assert by_dict[1].outputs[0].token_ids == text[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="one of 'prompt' and 'prompt_token_ids'"):
+        llm.generate({"prompt": "w5", "prompt_token_ids": [1]}, greedy, use_tqdm=False)
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w7{% endif %}"
+    conversation = [{"role": "user", "content": "w5"}, {"role": "user", "content": "w9"}]
+    chats = llm.chat([conversation, conversation[:1]], greedy, use_tqdm=False, chat_template=template)
+    rendered = [llm.tokenizer.encode_chat(c, chat_template=template) for c in (conversation, conversation[:1])]
+    assert [c.prompt_token_ids for c in chats] == rendered
+    assert [c.outputs[0].token_ids for c in chats] == greedy_reference(llm.model, rendered, 3)
+    assert llm.chat(conversation, greedy, use_tqdm=False, chat_template=template)[0].outputs[0].token_ids == \
+        chats[0].outputs[0].token_ids  # one conversation, not a list of them
     llm.close()

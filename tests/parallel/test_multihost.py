@@ -51,7 +51,7 @@ def _reference(model_dir: Path) -> list[list[int]]:
     llm = jaxserve.LLM(str(model_dir), dtype="float32", max_model_len=64, num_pages=48, max_num_seqs=4,
                        max_num_batched_tokens=32, max_prefill_seqs=2, cache_dir=model_dir.parent / "ref-cache")
     params = jaxserve.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    prompt_ids = [llm.tokenizer.encode_prompt(p) for p in PROMPTS]  # as the server tokenizes raw prompts
     outputs = llm.generate(prompt_ids, params)
     return [o.outputs[0].token_ids for o in outputs]
 
