@@ -44,7 +44,7 @@ struct Problem {
 
 #if JAXSERVE_BF16_DOT
 
-constexpr int kStrip = 32;        // columns per strip of a [K, N] weight: one cache line of bf16
+constexpr int kStrip = 32;        // columns per strip of the packed weight: one cache line of bf16
 constexpr int kRowsPerPass = 12;  // query rows per pass over a strip: 2 x 12 accumulators + temporaries fit 32 zmm
 constexpr int kPrefetchRows = 8;  // weight rows fetched ahead of the loads
 
@@ -54,7 +54,7 @@ inline int32_t load_pair(const uint16_t* p) {  // two adjacent bf16 as one 32-bi
   return v;
 }
 
-// Rows [m0, m0 + MB) x columns [n0, n0 + 32) of x @ W for W [K, N].
+// Rows [m0, m0 + MB) x columns [n0, n0 + 32) of x @ W: the strip starting at column n0, K rows of 32.
 template <int MB>
 void strip(const Problem& p, int64_t n0, int64_t m0) {
   const int64_t cols = std::min<int64_t>(kStrip, p.n - n0);
