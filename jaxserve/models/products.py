@@ -6,7 +6,7 @@ structure and nothing is read from a trace-time setting.
   CpuWeight                a Linear kernel packed in strips for the native kernel
                            (`pallas_kernels.cpu_matmul`, backend "cpu"): bfloat16 weights
                            streamed ~2x faster than from the [K, N] layout at one row, and faster
-                           than XLA:CPU's GEMM at every row count measured (to 512)
+                           than XLA:CPU's GEMM at every row count measured (to 512).
                            The LM head [N, K] (the embedding when tied) is packed the same way,
                            as the [K, N] kernel it multiplies by; embedding lookups read its
                            columns
@@ -37,14 +37,9 @@ class CpuWeight:
     n: int = struct.field(pytree_node=False)  # the kernel's N (the strips pad it to a multiple of 32)
 
     @classmethod
-    def pack(cls, kernel: Array, transposed: bool = False) -> "CpuWeight":
+    def pack(cls, kernel: Array, transposed: bool = False) -> CpuWeight:
         """`kernel` [K, N], or [N, K] with `transposed` (an LM head: it multiplies as its transpose)."""
         return cls(_pack(kernel, transposed), int(kernel.shape[0 if transposed else 1]))
-
-    def unpacked(self) -> Array:
-        from pallas_kernels import cpu_matmul
-
-        return cpu_matmul.unpack(self.value, self.n)
 
 
 Weight = Array | CpuWeight
@@ -109,8 +104,6 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
 def describe_backend(name: str) -> str:
     """One line for the start-up log."""
     if name == "cpu":
-        from pallas_kernels import cpu_matmul
-
         return "cpu (native kernel, pallas_kernels/cpu_matmul.cc: bfloat16 weights packed in strips)"
     return "xla (XLA's dot)"
 

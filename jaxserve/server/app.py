@@ -47,7 +47,7 @@ def create_app(
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     names = ModelNames.of(served_model_name)
     state = ServerState(
-        engine=async_engine, tokenizer=tokenizer, model_name=names.primary, model_names=names,
+        engine=async_engine, tokenizer=tokenizer, model_names=names,
         max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
         metrics=_metrics(names.primary, async_engine),
         structured=structured,

@@ -77,7 +77,7 @@ class LegacyClassifyRequest(BaseModel):
 class ClassifyState:
     engine: AsyncClassifyEngine
     tokenizer: Tokenizer
-    model_name: str
+    model_names: ModelNames  # what requests may name; the first is reported
     config: ClassifierConfig
     max_model_len: int
     max_concurrent_requests: int
@@ -87,11 +87,10 @@ class ClassifyState:
     num_in_flight: int = 0
     draining: bool = False
     in_flight: set[str] = dataclasses.field(default_factory=set)  # engine request ids
-    model_names: ModelNames | None = None  # what requests may name; default: model_name alone
 
-    def __post_init__(self) -> None:
-        if self.model_names is None:
-            self.model_names = ModelNames((self.model_name,))
+    @property
+    def model_name(self) -> str:
+        return self.model_names.primary
 
     def abort_all(self) -> int:
         """End every in-flight input (their requests get a 503); used when shutdown times out."""
@@ -135,10 +134,6 @@ class ClassifyState:
 
 
 # ---- request handling ----------------------------------------------------------------------------
-def check_model(state: Any, name: str | None) -> None:
-    state.model_names.check(name)
-
-
 def _texts_or_ids(value: Any, param: str) -> tuple[list[str] | None, list[list[int]] | None]:
     """(texts, None) or (None, token-id lists); empty inputs are refused, naming which."""
     if isinstance(value, str):
@@ -230,7 +225,7 @@ async def classify(state: ClassifyState) -> Response:
 
 
 async def _classify(state: ClassifyState, req: ClassifyRequest) -> Response:
-    check_model(state, req.model)
+    state.model_names.check(req.model)
     inputs = encode_inputs(state, req.input, "input", req.add_special_tokens, req.truncate_prompt_tokens)
     rids = request_ids(req.rid, len(inputs), "classify")
     results = await state.run(rids, inputs, req.priority)
@@ -314,7 +309,7 @@ def create_classify_app(
     metrics = Metrics(names.primary)
     metrics.gauge("num_requests_waiting", "Inputs waiting for a classification step.", lambda: engine.num_waiting)
     metrics.gauge("num_requests_running", "Inputs queued or in a step.", lambda: engine.num_requests)
-    state = ClassifyState(engine=engine, tokenizer=tokenizer, model_name=names.primary, model_names=names, config=config,
+    state = ClassifyState(engine=engine, tokenizer=tokenizer, model_names=names, config=config,
                           max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                           request_timeout=request_timeout, metrics=metrics)
     app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None)

@@ -40,7 +40,7 @@ TIMEOUT = "timeout"  # the finish reason of a request cut by --request-timeout
 class ServerState:
     engine: AsyncEngine
     tokenizer: Tokenizer
-    model_name: str
+    model_names: ModelNames  # what requests may name; the first is reported
     max_model_len: int
     max_concurrent_requests: int
     request_timeout: float | None
@@ -52,11 +52,10 @@ class ServerState:
     flights: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
     _grammars: GrammarCompiler | None = None
     _grammars_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    model_names: ModelNames | None = None  # what requests may name; default: model_name alone
 
-    def __post_init__(self) -> None:
-        if self.model_names is None:
-            self.model_names = ModelNames((self.model_name,))
+    @property
+    def model_name(self) -> str:
+        return self.model_names.primary
 
     @property
     def vocab_size(self) -> int:

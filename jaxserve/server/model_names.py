@@ -23,7 +23,7 @@ class ModelNames:
             raise ValueError("a server serves at least one model name")
 
     @classmethod
-    def of(cls, served: "str | ModelNames") -> "ModelNames":
+    def of(cls, served: str | ModelNames) -> ModelNames:
         return served if isinstance(served, ModelNames) else cls((served,))
 
     @property

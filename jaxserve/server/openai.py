@@ -41,10 +41,6 @@ async def parse(model: type[M]) -> M:
     return model.model_validate_json(await request.get_data(cache=False))
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    state.model_names.check(name)
-
-
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(req)
     return sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
@@ -210,7 +206,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
 async def completions(state: ServerState) -> Response:
     """OpenAI text completions (legacy), with vLLM's sampling extras."""
     req = await parse(CompletionRequest)
-    check_model(state, req.model)
+    state.model_names.check(req.model)
     if req.suffix is not None:
         raise not_supported("suffix", "suffix (insertion)")
     prompts = completion_prompts(state, req)
@@ -329,7 +325,7 @@ async def models(state: ServerState) -> Response:
 async def tokenize(state: ServerState) -> Response:
     """Token ids of a prompt or of a rendered chat (vLLM's /tokenize)."""
     req = await parse(TokenizeRequest)
-    check_model(state, req.model)
+    state.model_names.check(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
     if req.messages is not None:
@@ -348,7 +344,7 @@ async def tokenize(state: ServerState) -> Response:
 async def detokenize(state: ServerState) -> Response:
     """Text of token ids (vLLM's /detokenize)."""
     req = await parse(DetokenizeRequest)
-    check_model(state, req.model)
+    state.model_names.check(req.model)
     bad = next((t for t in req.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")

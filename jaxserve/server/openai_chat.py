@@ -18,7 +18,6 @@ from jaxserve.server.openai import (
     chat_logprobs,
     chat_messages,
     chat_prompt,
-    check_model,
     guide_spec,
     parse,
     sampling_params,
@@ -34,7 +33,7 @@ from jaxserve.structured import spec as guide
 async def chat_completions(state: ServerState) -> Response:
     """OpenAI chat completions, with vLLM's sampling and chat-template extras."""
     req = await parse(ChatCompletionRequest)
-    check_model(state, req.model)
+    state.model_names.check(req.model)
     if req.continue_final_message:
         raise not_supported("continue_final_message", "continue_final_message")
     forced = forced_tools(req.tools, req.tool_choice)

@@ -85,7 +85,7 @@ def test_place_consume_frees_the_originals_once_packed(tmp_path):
     copy exists, so start-up never holds the model twice; the packed weights multiply the same."""
     make_tiny_model("qwen3", tmp_path)
     model = load_model(tmp_path, "bfloat16", use_cache=False).model
-    graphdef, state = nnx.split(model)
+    _, state = nnx.split(model)
     kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state) if "'kernel'" in jax.tree_util.keystr(path)]
     assert len(kernels) == 7 * model.cfg.num_layers
     x = jnp.ones((3, kernels[0].shape[0]), jnp.bfloat16)

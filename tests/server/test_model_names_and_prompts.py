@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from live_server import MAX_MODEL_LEN, MODEL, start_server
 
 from jaxserve.server.app import create_app
 from jaxserve.server.model_names import ModelNames
-from live_server import MAX_MODEL_LEN, MODEL, start_server
 
 pytestmark = pytest.mark.slow
 
