@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (also under /v3), /v1/models,
-/tokenize, /detokenize. Shapes follow OpenAI, with vLLM's extras (stop_reason, return_token_ids)."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (also under /v3), /v1/responses,
+/v1/models, /tokenize, /detokenize. Shapes follow OpenAI, with vLLM's extras (stop_reason, return_token_ids)."""
 
 from __future__ import annotations
 
@@ -353,10 +353,12 @@ async def detokenize(state: ServerState) -> Response:
 
 def register(app: Quart, state: ServerState) -> None:
     from jaxserve.server.openai_chat import chat_completions
+    from jaxserve.server.openai_responses import ResponsesRequest, responses
 
     for prefix in ("/v1", "/v3"):
         route(app, state, f"{prefix}/completions", completions, "POST", CompletionRequest)
         route(app, state, f"{prefix}/chat/completions", chat_completions, "POST", ChatCompletionRequest)
+    route(app, state, "/v1/responses", responses, "POST", ResponsesRequest)
     route(app, state, "/v1/models", models, "GET")
     route(app, state, "/tokenize", tokenize, "POST", TokenizeRequest)
     route(app, state, "/detokenize", detokenize, "POST", DetokenizeRequest)

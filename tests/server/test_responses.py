@@ -1,0 +1,207 @@
+"""POST /v1/responses: the live server driven by the official `openai` client (slow), and the
+refusals and the mid-stream failure on the model-free app (fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from live_server import MODEL
+from test_app_unit import FailingEngine, FakeTokenizer
+
+from jaxserve.server.app import create_app
+
+QUESTION = "What is 2 + 2?"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                          "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def _chat(client, messages: list[dict], max_tokens: int):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+# ---- live server --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_string_input_is_the_chat_completion_of_one_user_message(client):
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0,
+                                metadata={"run": "t1"}, store=True, user="u1")
+    chat = _chat(client, [{"role": "user", "content": QUESTION}], 20)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.status == "completed" and r.incomplete_details is None and r.error is None
+    (item,) = r.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    assert item.content[0].type == "output_text" and item.content[0].annotations == []
+    assert r.output_text == chat.choices[0].message.content  # greedy, same template: the same tokens
+    assert "4" in r.output_text
+    u = r.usage
+    assert (u.input_tokens, u.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert u.total_tokens == u.input_tokens + u.output_tokens and u.output_tokens_details.reasoning_tokens == 0
+    assert u.input_tokens_details.cached_tokens >= 0
+    assert (r.metadata, r.user, r.temperature, r.tools, r.tool_choice) == ({"run": "t1"}, "u1", 0, [], "auto")
+
+
+@pytest.mark.slow
+def test_items_and_instructions_are_the_chat_messages(client):
+    items = [{"role": "user", "content": "Name a colour."},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Another one?"}]}]
+    r = client.responses.create(model=MODEL, instructions="You are terse.", input=items, max_output_tokens=12,
+                                temperature=0)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}]
+    chat = _chat(client, messages, 12)
+    assert r.output_text == chat.choices[0].message.content and r.instructions == "You are terse."
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_stream_events_in_order_and_equal_to_the_whole_response(client):
+    kwargs = {"model": MODEL, "input": QUESTION, "max_output_tokens": 20, "temperature": 0}
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    types = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    text = "".join(d.delta for d in deltas)
+    assert text == events[-4].text == events[-3].part.text == whole.output_text
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.status == "completed"
+    assert final.output[0].content[0].text == whole.output_text and final.output[0].id == events[2].item.id
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    # The client's own accumulator checks identities and item order as it goes.
+    with client.responses.stream(**kwargs) as stream:
+        assert stream.get_final_response().output_text == whole.output_text
+
+
+@pytest.mark.slow
+def test_json_schema_format_and_the_clients_parse(client):
+    fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
+    r = client.responses.create(model=MODEL, input="Give a city and its population as JSON.", text={"format": fmt},
+                                max_output_tokens=60, temperature=0)
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), CITY)
+
+    class City(pydantic.BaseModel):
+        city: str
+        population: int
+
+    parsed = client.responses.parse(model=MODEL, input="Give a city and its population.", text_format=City,
+                                    max_output_tokens=60, temperature=0)
+    assert isinstance(parsed.output_parsed, City)
+
+
+@pytest.mark.slow
+def test_max_output_tokens_ends_incomplete(client):
+    kwargs = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 3, "temperature": 0}
+    r = client.responses.create(**kwargs)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3 and r.max_output_tokens == 3
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-2].item.status == "incomplete" and events[-2].item.content[0].text == r.output_text
+
+
+@pytest.mark.slow
+def test_openapi_documents_the_route(server):
+    body = httpx.get(server.url + "/openapi.json").json()["paths"]["/v1/responses"]["post"]["requestBody"]
+    assert {"input", "instructions", "text"} <= set(body["content"]["application/json"]["schema"]["properties"])
+
+
+@pytest.mark.slow
+def test_logprobs_when_included(client):
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and "".join(t.token for t in lps) == r.output_text
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"input": ""}, "input", "empty"),
+    ({"input": []}, "input", "empty"),
+    ({"input": QUESTION, "previous_response_id": "resp_123"}, "previous_response_id", "stored"),
+    ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
+     "tools", "not supported"),
+    ({"input": "word " * 600}, "input", "context limit of 512"),
+    ({"input": QUESTION, "max_output_tokens": 600}, "max_output_tokens", "max_output_tokens is 600"),
+])
+def test_bad_requests_are_400_naming_the_parameter(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, **kwargs)
+    assert caught.value.param == param and words in caught.value.message
+
+
+# ---- the model-free app -------------------------------------------------------------------------
+def _post(body: dict) -> tuple[int, bytes]:
+    app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100)  # type: ignore[arg-type]
+
+    async def go() -> tuple[int, bytes]:
+        response = await app.test_client().post("/v1/responses", json=body)
+        return response.status_code, await response.get_data()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text.format.schema"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"seed": 1}, "seed"),  # not a Responses field: refused, not ignored
+    ({"max_output_tokens": 101}, "max_output_tokens"),  # the engine's limit, in this API's words
+    ({"input": None}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+])
+def test_refusals_name_the_parameter(extra, param):
+    status, data = _post({"input": "x", **extra})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == param and err["message"].startswith(param), err
+
+
+def test_accepted_hints_and_a_failure_mid_stream():
+    status, data = _post({"input": "x", "stream": True, "store": True, "tool_choice": "none",
+                          "reasoning": {"effort": None}, "truncation": "disabled", "service_tier": "auto",
+                          "parallel_tool_calls": False, "safety_identifier": "s", "prompt_cache_key": "k",
+                          "max_tool_calls": 2, "text": {"format": {"type": "text"}, "verbosity": "medium"}})
+    # OpenAI's framing: an `event:` line, then the `data:` line.
+    lines = [block.split("\n") for block in data.decode().split("\n\n")[:-1]]
+    events = [json.loads(data_line.removeprefix("data: ")) for _, data_line in lines]
+    assert [event_line for event_line, _ in lines] == [f"event: {e['type']}" for e in events]
+    assert status == 200 and [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "error", "response.failed"]
+    assert events[4]["delta"] == "Hi" and "device lost" in events[5]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "device lost" in failed["error"]["message"]
+    assert failed["output"][0]["content"][0]["text"] == "Hi" and failed["parallel_tool_calls"] is False
