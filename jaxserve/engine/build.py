@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -54,18 +55,21 @@ def enable_compilation_cache(directory: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def build_engine(decoder: Decoder, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
-                 compile: bool = True, take_weights: bool = False) -> Engine:
+def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
+                 compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = ()) -> Engine:
     """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
     call `compile_engine`). take_weights: the engine may free `decoder`'s weight buffers where it
     keeps them in another layout (the CPU kernel's), so start-up never holds two copies of the
-    model; `decoder` is unusable afterwards (the engine's own weights are runner.params)."""
+    model; `decoder` is unusable afterwards (the engine's own weights are runner.params).
+    tokenizer None: token ids in and out, no text (LLM(skip_tokenizer_init=True)). Sequences end
+    at config.json's EOS ids, the tokenizer's, and `eos_ids` (generation_config.json's)."""
     cfg = decoder.cfg
     sched = config.scheduler
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
-    eos_ids = tuple(sorted(set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})))
+    tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
+    eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
     builder = _input_builder(decoder, config, eos_ids)
     reserve = 0
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":

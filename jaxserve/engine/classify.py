@@ -33,7 +33,7 @@ from jaxserve.engine.classify_batcher import (
 )
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.bert import EncoderConfig
-from jaxserve.models.classifier import Classifier, ClassifierConfig
+from jaxserve.models.embedder import EmbedderConfig, PoolingConfig, PoolingModel
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -57,29 +57,36 @@ class ClassifyConfig:
 @dataclasses.dataclass
 class ClassifyResult:
     request_id: str
-    logits: np.ndarray  # [num_labels] float32
+    output: np.ndarray  # float32: the class logits [num_labels], or the embedding [hidden]
     num_tokens: int
 
 
-def packing_spec(cfg: ClassifierConfig) -> PackingSpec:
+def packing_spec(cfg: PoolingConfig) -> PackingSpec:
+    roberta = isinstance(cfg.body, EncoderConfig) and cfg.body.family == "roberta"
+    if isinstance(cfg, EmbedderConfig):
+        # sentence-transformers pools by the attention mask: the last token is the input's last,
+        # even when it is the pad token (Qwen3-Embedding appends <|endoftext|>, its pad token).
+        return PackingSpec("last" if cfg.pooling == "last" else "first", cfg.pad_token_id if roberta else None,
+                           roberta_positions=roberta)
     if isinstance(cfg.body, EncoderConfig):
-        return PackingSpec("first", cfg.pad_token_id, roberta_positions=cfg.body.head == "roberta")
+        return PackingSpec("first", cfg.pad_token_id, roberta_positions=roberta)
     return PackingSpec("last", cfg.pad_token_id)
 
 
 class ClassifyRunner:
     """Owns the classifier's device arrays and one compiled step per bucket."""
 
-    def __init__(self, model: Classifier, max_model_len: int | None = None):
+    def __init__(self, model: PoolingModel, max_model_len: int | None = None):
         self.graphdef, self.params = nnx.split(model)
         self.max_model_len = max_model_len  # no input is longer: bounds the keys a query block reads
         self._step = jax.jit(self._step_fn)
         self._compiled: dict[Bucket, Any] = {}
 
     def _step_fn(self, params: nnx.State, tokens: jax.Array, positions: jax.Array, segments: jax.Array,
-                 pool_rows: jax.Array) -> jax.Array:
+                 pool_rows: jax.Array, token_types: jax.Array) -> jax.Array:
         model = nnx.merge(self.graphdef, params)
-        return model(tokens, positions, segments, pool_rows, max_segment=self.max_model_len)  # [S, labels] float32
+        # [S, labels] or [S, hidden] float32
+        return model(tokens, positions, segments, pool_rows, token_types, max_segment=self.max_model_len)
 
     def compile(self, buckets: tuple[Bucket, ...]) -> dict[Bucket, float]:
         seconds: dict[Bucket, float] = {}
@@ -89,7 +96,7 @@ class ClassifyRunner:
                 bar.set_postfix_str(f"tokens={bucket.tokens} seqs={bucket.seqs}")
                 start = time.perf_counter()
                 lowered = self._step.lower(self.params, i32(bucket.tokens), i32(bucket.tokens), i32(bucket.tokens),
-                                           i32(bucket.seqs))
+                                           i32(bucket.seqs), i32(bucket.tokens))
                 self._compiled[bucket] = lowered.compile()
                 seconds[bucket] = time.perf_counter() - start
                 log.info("compiled classify step tokens=%d seqs=%d in %.2fs", bucket.tokens, bucket.seqs,
@@ -105,13 +112,13 @@ class ClassifyRunner:
         compiled = self._compiled.get(step.bucket)
         if compiled is None:
             raise RuntimeError(f"classify step shape {step.bucket} was not compiled at start-up")
-        return compiled(self.params, step.tokens, step.positions, step.segments, step.pool_rows)
+        return compiled(self.params, step.tokens, step.positions, step.segments, step.pool_rows, step.token_types)
 
 
 class ClassifyEngine:
     """Inputs in, logits out; `step()` runs one packed batch. Not thread-safe: one owner thread."""
 
-    def __init__(self, model: Classifier, cfg: ClassifierConfig, config: ClassifyConfig):
+    def __init__(self, model: PoolingModel, cfg: PoolingConfig, config: ClassifyConfig):
         if not 1 <= config.max_model_len <= cfg.max_context:
             raise ValueError(f"max_model_len {config.max_model_len} must be in [1, {cfg.max_context}] (the model's "
                              "position embeddings)")
@@ -129,9 +136,10 @@ class ClassifyEngine:
         self.compile_seconds = self.runner.compile(self.buckets)
         return time.perf_counter() - start
 
-    def add(self, request_id: str, token_ids: list[int], priority: int = 0) -> None:
+    def add(self, request_id: str, token_ids: list[int], priority: int = 0,
+            token_types: list[int] | None = None) -> None:
         """Queue one input; raises InvalidRequestError / RequestTooLongError."""
-        self.batcher.add(ClassifyItem(request_id, list(token_ids), priority))
+        self.batcher.add(ClassifyItem(request_id, list(token_ids), priority, token_types))
 
     def abort(self, request_id: str) -> bool:
         return self.batcher.abort(request_id)
@@ -158,11 +166,14 @@ class ClassifyEngine:
         started = self.dispatch()
         return [] if started is None else self.collect(started)
 
-    def classify(self, inputs: list[list[int]], priority: int = 0) -> list[ClassifyResult]:
-        """Offline: classify token-id inputs and return their results in input order."""
+    def classify(self, inputs: list[list[int]], priority: int = 0,
+                 token_types: list[list[int]] | None = None) -> list[ClassifyResult]:
+        """Offline: run token-id inputs (with their token types, for text pairs) and return their
+        results in input order."""
         ids = [f"offline-{i}" for i in range(len(inputs))]
-        for rid, tokens in zip(ids, inputs):
-            self.add(rid, tokens, priority)
+        types = token_types if token_types is not None else [None] * len(inputs)
+        for rid, tokens, tt in zip(ids, inputs, types):
+            self.add(rid, tokens, priority, tt)
         out: dict[str, ClassifyResult] = {}
         while self.has_unfinished():
             out.update((r.request_id, r) for r in self.step())
@@ -184,11 +195,12 @@ class AsyncClassifyEngine(EngineThread):
         """Raise the input's validation error now (reads only fixed limits: safe off the thread)."""
         self.engine.batcher.validate(token_ids, param)
 
-    async def classify(self, request_id: str, token_ids: list[int], priority: int = 0) -> ClassifyResult:
+    async def classify(self, request_id: str, token_ids: list[int], priority: int = 0,
+                       token_types: list[int] | None = None) -> ClassifyResult:
         self.validate(token_ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self._send(("add", ClassifyItem(request_id, list(token_ids), priority), loop, future))
+        self._send(("add", ClassifyItem(request_id, list(token_ids), priority, token_types), loop, future))
         try:
             return await future
         except asyncio.CancelledError:

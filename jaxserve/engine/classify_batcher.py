@@ -71,6 +71,7 @@ class ClassifyItem:
     request_id: str
     token_ids: list[int]
     priority: int = 0
+    token_types: list[int] | None = None  # a text pair's segment of each token (cross-encoders); None: all 0
 
 
 @dataclasses.dataclass
@@ -84,6 +85,7 @@ class PackedStep:
     positions: np.ndarray  # [T] int32
     segments: np.ndarray  # [T] int32: input index, -1 for padding
     pool_rows: np.ndarray  # [S] int32: the row of each input's pooled token (0 for unused rows)
+    token_types: np.ndarray  # [T] int32: 0, or 1 for the second text of a pair
 
 
 class ClassifyBatcher:
@@ -119,6 +121,8 @@ class ClassifyBatcher:
         if item.request_id in self._queued:
             raise InvalidRequestError("rid", f"{item.request_id!r} is already queued")
         self.validate(item.token_ids)
+        if item.token_types is not None and len(item.token_types) != len(item.token_ids):
+            raise ValueError(f"{len(item.token_types)} token types for {len(item.token_ids)} tokens")
         self._queued[item.request_id] = item
         heapq.heappush(self._queue, (item.priority, next(self._arrivals), item))
 
@@ -171,6 +175,7 @@ class ClassifyBatcher:
         positions = np.zeros(bucket.tokens, np.int32)
         segments = np.full(bucket.tokens, -1, np.int32)
         pool_rows = np.zeros(bucket.seqs, np.int32)
+        token_types = np.zeros(bucket.tokens, np.int32)
         offset = 0
         for i, item in enumerate(items):
             ids = np.asarray(item.token_ids, np.int32)
@@ -178,10 +183,12 @@ class ClassifyBatcher:
             tokens[offset : offset + n] = ids
             positions[offset : offset + n] = self.spec.positions(ids)
             segments[offset : offset + n] = i
+            if item.token_types is not None:
+                token_types[offset : offset + n] = item.token_types
             pool_rows[i] = offset + self.spec.pool_index(ids)
             offset += n
         return PackedStep(bucket, [it.request_id for it in items], [len(it.token_ids) for it in items],
-                          tokens, positions, segments, pool_rows)
+                          tokens, positions, segments, pool_rows, token_types)
 
 
 def probabilities(logits: np.ndarray) -> np.ndarray:
@@ -191,3 +198,24 @@ def probabilities(logits: np.ndarray) -> np.ndarray:
         return x
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's, which sentence-transformers' Normalize uses
+
+
+def finish_embedding(pooled: np.ndarray, normalize: bool, dimensions: int | None = None) -> np.ndarray:
+    """A pooled vector as the client gets it: cut to its first `dimensions` values (Matryoshka),
+    then L2-normalised if asked (cutting first keeps a cut vector unit-length)."""
+    x = np.asarray(pooled, np.float32)
+    if dimensions is not None:
+        x = x[:dimensions]
+    if normalize:
+        x = x / max(float(np.linalg.norm(x.astype(np.float64))), NORMALIZE_EPS)
+    return x.astype(np.float32)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity, as sentence-transformers' cos_sim computes it (normalise, then dot)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(a @ b / (max(np.linalg.norm(a), NORMALIZE_EPS) * max(np.linalg.norm(b), NORMALIZE_EPS)))

@@ -48,11 +48,12 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, builder: StepInputBuilder, runner: Runner, tokenizer: Tokenizer,
+    def __init__(self, scheduler: Scheduler, builder: StepInputBuilder, runner: Runner, tokenizer: Tokenizer | None,
                  info: EngineInfo, overlap: bool = True, on_idle: Callable[[], None] | None = None):
         """overlap: start step N+1 before turning step N's tokens into text (see `step`); False
         runs each step to the end before the next starts (same tokens and text). on_idle runs
-        whenever the engine has just become idle (the integrity check)."""
+        whenever the engine has just become idle (the integrity check). tokenizer None: outputs
+        are token ids with empty text (LLM(skip_tokenizer_init=True))."""
         self.scheduler = scheduler
         self.builder = builder
         self.runner = runner
@@ -76,6 +77,11 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         validate_prompt(prompt_ids, self.info.vocab_size)
         params.validate(self.info.vocab_size, self.info.max_n)
+        if params.stop and self.tokenizer is None:
+            # Stop strings are matched on the output text, and without a tokenizer there is none:
+            # refused rather than never matching.
+            raise InvalidRequestError("stop", "stop strings need a tokenizer, and this engine has none "
+                                      "(skip_tokenizer_init=True); use stop_token_ids")
         banned = len(params.bad_words_ids or []) + len(params.stop_token_ids) + len(self.eos_ids)
         if banned > MAX_BANNED_IDS:
             raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.engine.request import Sequence
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, NoTextDetokenizer, Tokenizer
 
 
 @dataclasses.dataclass
@@ -71,12 +71,19 @@ class SequenceText:
     len(longest stop) - 1 characters), so a stop string is never streamed and then retracted.
     """
 
-    def __init__(self, seq: Sequence, tokenizer: Tokenizer):
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer | None):
         p = seq.params
-        # A few prompt tokens give the first output token its left context.
-        self.detok = IncrementalDetokenizer(
-            tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens, prompt_tail=seq.prompt_ids[-4:]
-        )
+        self.detok: IncrementalDetokenizer | NoTextDetokenizer
+        if tokenizer is None:
+            # No tokenizer (LLM(skip_tokenizer_init=True)): a detokenizer that yields no text is
+            # the one place that knows, so stop checks, held text and deltas run unchanged and
+            # every output's text is "" (vLLM's). Stop strings are refused when the request is added.
+            self.detok = NoTextDetokenizer()
+        else:
+            # A few prompt tokens give the first output token its left context.
+            self.detok = IncrementalDetokenizer(
+                tokenizer, p.skip_special_tokens, p.spaces_between_special_tokens, prompt_tail=seq.prompt_ids[-4:]
+            )
         self.stops = list(p.stop)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.include_stop = p.include_stop_str_in_output

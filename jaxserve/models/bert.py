@@ -1,10 +1,13 @@
-"""BERT-style encoders with a sequence-classification head: BERT ([CLS] -> pooler -> classifier)
-and RoBERTa / XLM-RoBERTa (<s> -> dense + tanh -> out_proj), as Flax NNX modules.
+"""BERT-style encoders, as Flax NNX modules: with a sequence-classification head, BERT ([CLS] ->
+pooler -> classifier) and RoBERTa / XLM-RoBERTa (<s> -> dense + tanh -> out_proj); without one
+(BertModel, RobertaModel, XLMRobertaModel: sentence-transformers checkpoints), the body whose
+hidden states an embedding model pools.
 
 Like the decoder, every layer holds its own parameters and the layers run as an unrolled loop
-(`jaxserve.models.layers.run_layers`), and attention is passed in, so the same module runs packed classification steps and the
-parity tests. Only absolute position embeddings exist in transformers 5, so only those are
-supported; token types are all 0 (single-sentence classification).
+(`jaxserve.models.layers.run_layers`), and attention is passed in, so the same module runs packed
+steps and the parity tests. Only absolute position embeddings exist in transformers 5, so only
+those are supported. Token types are 0 for a single text and 1 for the second text of a pair
+(what a cross-encoder scores).
 """
 
 from __future__ import annotations
@@ -23,12 +26,18 @@ from jaxserve.models.packed_attention import PackedAttention
 
 Array = jax.Array
 
-# architecture -> (weight-name prefix of the encoder, head kind)
-ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "BertForSequenceClassification": ("bert.", "pooler"),
-    "RobertaForSequenceClassification": ("roberta.", "roberta"),
-    "XLMRobertaForSequenceClassification": ("roberta.", "roberta"),
+# architecture -> (weight-name prefix of the encoder, family, head kind)
+ENCODER_ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "BertForSequenceClassification": ("bert.", "bert", "pooler"),
+    "RobertaForSequenceClassification": ("roberta.", "roberta", "roberta"),
+    "XLMRobertaForSequenceClassification": ("roberta.", "roberta", "roberta"),
+    # Bare encoders (embedding models): saved by their base class, so no prefix.
+    "BertModel": ("", "bert", "none"),
+    "RobertaModel": ("", "roberta", "none"),
+    "XLMRobertaModel": ("", "roberta", "none"),
 }
+ENCODER_CLASSIFIERS = tuple(a for a, (_, _, head) in ENCODER_ARCHITECTURES.items() if head != "none")
+ENCODER_EMBEDDERS = tuple(a for a, (_, _, head) in ENCODER_ARCHITECTURES.items() if head == "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +50,7 @@ class EncoderConfig:
     num_heads: int
     max_position_embeddings: int
     type_vocab_size: int
-    num_labels: int
+    num_labels: int  # 0 for a bare encoder
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
     pad_token_id: int | None = 0
@@ -55,8 +64,14 @@ class EncoderConfig:
         return ENCODER_ARCHITECTURES[self.architecture][0]
 
     @property
-    def head(self) -> str:
+    def family(self) -> str:
+        """bert or roberta: how positions are numbered."""
         return ENCODER_ARCHITECTURES[self.architecture][1]
+
+    @property
+    def head(self) -> str:
+        """pooler (BERT), roberta (dense + out_proj) or none (a bare encoder)."""
+        return ENCODER_ARCHITECTURES[self.architecture][2]
 
     @property
     def head_dim(self) -> int:
@@ -68,10 +83,10 @@ class EncoderConfig:
 
 
 def encoder_config_from_hf(cfg: dict[str, Any], num_labels: int) -> EncoderConfig:
-    """Parse a BERT/RoBERTa config.json; num_labels comes from the checkpoint's head."""
+    """Parse a BERT/RoBERTa config.json; num_labels comes from the checkpoint's head (0: none)."""
     arch = next((a for a in cfg.get("architectures") or [] if a in ENCODER_ARCHITECTURES), None)
     if arch is None:
-        raise UnsupportedModelError(f"not an encoder classifier: {cfg.get('architectures')}")
+        raise UnsupportedModelError(f"not a BERT-style encoder: {cfg.get('architectures')}")
     kind = cfg.get("position_embedding_type") or "absolute"
     if kind != "absolute":
         raise UnsupportedModelError(f"position_embedding_type {kind!r} is not supported (only absolute)")
@@ -156,8 +171,8 @@ def _layer_body(layer: EncoderLayer, x: Array, attend: AttentionFn, index: Array
     return layer(x, attend, index)
 
 
-class EncoderClassifier(nnx.Module):
-    """BERT / RoBERTa encoder plus its classification head; parameters named after HF's."""
+class Encoder(nnx.Module):
+    """BERT / RoBERTa encoder plus its classification head, if it has one; parameters named after HF's."""
 
     def __init__(self, cfg: EncoderConfig, dtype: Any = jnp.float32):
         self.cfg = cfg
@@ -171,15 +186,20 @@ class EncoderClassifier(nnx.Module):
         if cfg.head == "pooler":
             self.pooler = Linear(h, h, True, dtype)
             self.classifier = Linear(h, cfg.num_labels, True, dtype)
-        else:
+        elif cfg.head == "roberta":
             self.head_dense = Linear(h, h, True, dtype)
             self.head_out = Linear(h, cfg.num_labels, True, dtype)
 
-    def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn) -> Array:
-        """tokens, positions: [batch, tokens] -> last hidden states [batch, tokens, hidden]."""
+    def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn,
+                      token_types: Array | None = None) -> Array:
+        """tokens, positions, token_types: [batch, tokens] -> last hidden states [batch, tokens,
+        hidden]. No token_types: a single text, type 0 everywhere."""
         x = jnp.take(self.word_embeddings[...], tokens, axis=0)
         x = x + jnp.take(self.position_embeddings[...], positions, axis=0)
-        x = x + self.token_type_embeddings[0]  # single-sentence inputs: token type 0 everywhere
+        if token_types is None:
+            x = x + self.token_type_embeddings[0]
+        else:
+            x = x + jnp.take(self.token_type_embeddings[...], token_types, axis=0)
         x = self.embeddings_norm(x)
         per_layer = [jnp.int32(i) for i in range(self.cfg.num_layers)]
         return run_layers(self.layers, _layer_body, x, attend, per_layer)
@@ -190,11 +210,17 @@ class EncoderClassifier(nnx.Module):
             return self.classifier(jnp.tanh(self.pooler(first))).astype(jnp.float32)
         return self.head_out(jnp.tanh(self.head_dense(first))).astype(jnp.float32)
 
-    def __call__(self, tokens: Array, positions: Array, segments: Array, pool_rows: Array,
-                 max_segment: int | None = None) -> Array:
-        """One packed step: tokens, positions, segments [T]; pool_rows [S] (each sequence's first
-        token) -> float32 logits [S, num_labels]. max_segment: the longest input (static)."""
+    def packed_hidden_states(self, tokens: Array, positions: Array, segments: Array, token_types: Array,
+                             max_segment: int | None = None) -> Array:
+        """One packed row: tokens, positions, segments, token_types [T] -> hidden [T, hidden]."""
         attend = PackedAttention(segments, positions, causal=False, scale=self.cfg.head_dim**-0.5,
                                  max_segment=max_segment)
-        hidden = self.hidden_states(tokens[None], positions[None], attend)[0]
+        return self.hidden_states(tokens[None], positions[None], attend, token_types[None])[0]
+
+    def __call__(self, tokens: Array, positions: Array, segments: Array, pool_rows: Array, token_types: Array,
+                 max_segment: int | None = None) -> Array:
+        """One packed step: tokens, positions, segments, token_types [T]; pool_rows [S] (each
+        sequence's first token) -> float32 logits [S, num_labels]. max_segment: the longest input
+        (static)."""
+        hidden = self.packed_hidden_states(tokens, positions, segments, token_types, max_segment)
         return self.head(hidden[pool_rows])

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.bert import ENCODER_ARCHITECTURES, EncoderClassifier, EncoderConfig, encoder_config_from_hf
+from jaxserve.models.bert import ENCODER_ARCHITECTURES, ENCODER_CLASSIFIERS, Encoder, EncoderConfig, encoder_config_from_hf
 from jaxserve.models.config import (
     SUPPORTED_ARCHITECTURES,
     DecoderConfig,
@@ -41,19 +41,14 @@ DECODER_CLASSIFIERS: dict[str, str] = {
     "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
     "Qwen2ForRewardModel": "Qwen2ForCausalLM",
 }
-CLASSIFIER_ARCHITECTURES = (*DECODER_CLASSIFIERS, *ENCODER_ARCHITECTURES)
-TASKS = ("auto", "generate", "classify")
+CLASSIFIER_ARCHITECTURES = (*DECODER_CLASSIFIERS, *ENCODER_CLASSIFIERS)
 HF_DEFAULT_NUM_LABELS = 2  # what transformers assumes when config.json names no labels
 
 
-@dataclasses.dataclass(frozen=True)
-class ClassifierConfig:
-    architecture: str
-    num_labels: int
-    labels: tuple[str, ...]  # one per class
+class OnABody:
+    """What a model built on a decoder or encoder body (`self.body`) reads from it."""
+
     body: Union[DecoderConfig, EncoderConfig]
-    pad_token_id: int | None = None
-    reward_mlp: bool = False  # Qwen2ForRewardModel's score.0 / ReLU / score.2 head
 
     @property
     def is_encoder(self) -> bool:
@@ -73,37 +68,26 @@ class ClassifierConfig:
         return self.body.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassifierConfig(OnABody):
+    architecture: str
+    num_labels: int
+    labels: tuple[str, ...]  # one per class
+    body: Union[DecoderConfig, EncoderConfig]
+    pad_token_id: int | None = None
+    reward_mlp: bool = False  # Qwen2ForRewardModel's score.0 / ReLU / score.2 head
+    # What turns a one-label logit into a /v1/score or /v1/rerank score: sentence-transformers'
+    # CrossEncoder activation as the checkpoint names it, sigmoid by default.
+    score_activation: str = "sigmoid"
+
+
+
 def architectures(cfg: dict[str, Any]) -> list[str]:
     return list(cfg.get("architectures") or [])
 
 
 def classifier_architecture(cfg: dict[str, Any]) -> str | None:
     return next((a for a in architectures(cfg) if a in CLASSIFIER_ARCHITECTURES), None)
-
-
-def resolve_task(requested: str, cfg: dict[str, Any]) -> str:
-    """--task: auto picks classify for a classifier checkpoint, generate for a causal LM; an
-    explicit task the checkpoint cannot do is refused with the reason."""
-    if requested not in TASKS:
-        raise UnsupportedModelError(f"--task {requested!r} is not one of {', '.join(TASKS)}")
-    archs = architectures(cfg)
-    classifier = classifier_architecture(cfg)
-    generator = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if requested == "classify" and classifier is None:
-        raise UnsupportedModelError(
-            f"--task classify: architecture {archs or '(none given)'} has no classification head; classification "
-            f"needs one of {', '.join(CLASSIFIER_ARCHITECTURES)}"
-        )
-    if requested == "generate" and generator is None:
-        if classifier is not None:
-            raise UnsupportedModelError(
-                f"--task generate: {classifier} is a classification model with no language-model head; "
-                "serve it with --task classify (or auto) and use POST /v1/classify"
-            )
-        return "generate"  # let the generation loader name what is unsupported
-    if requested == "auto":
-        return "classify" if classifier is not None and generator is None else "generate"
-    return requested
 
 
 def class_labels(cfg: dict[str, Any], num_classes: int) -> tuple[str, ...]:
@@ -127,13 +111,31 @@ def class_labels(cfg: dict[str, Any], num_classes: int) -> tuple[str, ...]:
     return tuple(id2label.get(i) or (f"LABEL_{i}" if hf_names else f"Class_{i}") for i in range(num_classes))
 
 
+# sentence-transformers' CrossEncoder activations, by the class name config.json records.
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+def score_activation(cfg: dict[str, Any]) -> str:
+    """sigmoid or identity: the CrossEncoder activation config.json names (in its
+    `sentence_transformers.activation_fn`, or the older `sbert_ce_default_activation_function`),
+    sigmoid when it names none (CrossEncoder's default for one label)."""
+    st = cfg.get("sentence_transformers")
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) or cfg.get("sbert_ce_default_activation_function")
+    if not name:
+        return "sigmoid"
+    short = str(name).rsplit(".", 1)[-1]
+    if short not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"cross-encoder activation {name!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[short]
+
+
 def head_tensor(arch: str) -> str:
     """The checkpoint tensor whose first dimension is the number of classes."""
     if arch == "Qwen2ForRewardModel":
         return "score.2.weight"
     if arch in DECODER_CLASSIFIERS:
         return "score.weight"
-    return "classifier.weight" if ENCODER_ARCHITECTURES[arch][1] == "pooler" else "classifier.out_proj.weight"
+    return "classifier.weight" if ENCODER_ARCHITECTURES[arch][2] == "pooler" else "classifier.out_proj.weight"
 
 
 def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> ClassifierConfig:
@@ -147,7 +149,7 @@ def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> Classifi
     if num_classes < 1:
         raise UnsupportedModelError(f"the classification head has {num_classes} outputs")
     labels = class_labels(cfg, num_classes)
-    if arch in ENCODER_ARCHITECTURES:
+    if arch in ENCODER_CLASSIFIERS:
         body: Union[DecoderConfig, EncoderConfig] = encoder_config_from_hf(cfg, num_classes)
     else:
         # The body is the causal LM's; tying keeps the Decoder from allocating an LM head the
@@ -160,6 +162,7 @@ def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> Classifi
     return ClassifierConfig(
         architecture=arch, num_labels=num_classes, labels=labels, body=body,
         pad_token_id=None if pad is None else int(pad), reward_mlp=arch == "Qwen2ForRewardModel",
+        score_activation=score_activation(cfg) if num_classes == 1 else "identity",
     )
 
 
@@ -185,21 +188,29 @@ class DecoderClassifier(nnx.Module):
             return self.score_out(jax.nn.relu(self.score_hidden(pooled))).astype(jnp.float32)
         return self.score(pooled).astype(jnp.float32)
 
-    def __call__(self, tokens: Array, positions: Array, segments: Array, pool_rows: Array,
+    def __call__(self, tokens: Array, positions: Array, segments: Array, pool_rows: Array, token_types: Array,
                  max_segment: int | None = None) -> Array:
         """One packed step: tokens, positions, segments [T]; pool_rows [S] (each sequence's pooled
-        token) -> float32 logits [S, num_labels]. max_segment: the longest input (static)."""
-        body = self.cfg.body
-        attend = PackedAttention(segments, positions, causal=True, scale=body.scale,
-                                 softcap=body.attn_logit_softcap, max_segment=max_segment)
-        hidden, _ = self.model.hidden_states(tokens[None], positions[None], attend)
-        return self.head(hidden[0, pool_rows])
+        token) -> float32 logits [S, num_labels]. max_segment: the longest input (static).
+        token_types: unused (decoders have no token types)."""
+        return self.head(packed_decoder_hidden_states(self.model, tokens, positions, segments, max_segment)[pool_rows])
 
 
-Classifier = Union[DecoderClassifier, EncoderClassifier]
+def packed_decoder_hidden_states(model: Decoder, tokens: Array, positions: Array, segments: Array,
+                                 max_segment: int | None = None) -> Array:
+    """One packed row through a causal decoder: tokens, positions, segments [T] -> final-normed
+    hidden [T, hidden]."""
+    body = model.cfg
+    attend = PackedAttention(segments, positions, causal=True, scale=body.scale, softcap=body.attn_logit_softcap,
+                             max_segment=max_segment)
+    hidden, _ = model.hidden_states(tokens[None], positions[None], attend)
+    return hidden[0]
+
+
+Classifier = Union[DecoderClassifier, Encoder]
 
 
 def build_classifier(cfg: ClassifierConfig, dtype: Any = jnp.float32) -> Classifier:
     if isinstance(cfg.body, EncoderConfig):
-        return EncoderClassifier(cfg.body, dtype)
+        return Encoder(cfg.body, dtype)
     return DecoderClassifier(cfg, dtype)

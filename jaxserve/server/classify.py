@@ -1,9 +1,12 @@
 """Classification over HTTP: `POST /v1/classify` (vLLM's and SGLang's classify API, also at vLLM's
 `/classify`), SGLang's legacy reward-model `/classify` (`text` / `input_ids` in, raw scores out as
-`embedding`), and the app that serves a classification model.
+`embedding`), and the app that serves a pooling model: a classifier (`--task classify`) or an
+embedding model (`--task embed`, routes in embeddings.py), both with /v1/score and /v1/rerank
+(scoring.py).
 
-A classification model cannot generate and a generative model has no classification head, so
-each app answers the other's routes with a 400 that says why, instead of a bare 404.
+A pooling model cannot generate, a generative model has no pooling head, and a classifier is not
+an embedding model, so each app answers the others' routes with a 400 that says why, instead of a
+bare 404.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jaxserve.engine.classify import AsyncClassifyEngine, ClassifyResult, Reques
 from jaxserve.engine.classify_batcher import probabilities
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.classifier import ClassifierConfig
+from jaxserve.models.embedder import EmbedderConfig, PoolingConfig
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -39,7 +43,7 @@ M = TypeVar("M", bound=BaseModel)
 
 # Routes of the generation APIs, refused with a reason by a classification server.
 GENERATION_ROUTES = (
-    "/v1/completions", "/v1/chat/completions", "/v3/completions", "/v3/chat/completions", "/generate",
+    "/v1/completions", "/v1/chat/completions", "/v3/completions", "/v3/chat/completions", "/v1/responses", "/generate",
     "/v2/models/<name>/generate", "/v2/models/<name>/generate_stream",
     "/v2/models/<name>/versions/<version>/generate", "/v2/models/<name>/versions/<version>/generate_stream",
 )
@@ -78,7 +82,7 @@ class ClassifyState:
     engine: AsyncClassifyEngine
     tokenizer: Tokenizer
     model_names: ModelNames  # what requests may name; the first is reported
-    config: ClassifierConfig
+    config: PoolingConfig
     max_model_len: int
     max_concurrent_requests: int
     request_timeout: float | None
@@ -92,6 +96,11 @@ class ClassifyState:
     def model_name(self) -> str:
         return self.model_names.primary
 
+    @property
+    def task(self) -> str:
+        """classify or embed."""
+        return "embed" if isinstance(self.config, EmbedderConfig) else "classify"
+
     def abort_all(self) -> int:
         """End every in-flight input (their requests get a 503); used when shutdown times out."""
         ids = list(self.in_flight)
@@ -99,9 +108,11 @@ class ClassifyState:
             self.engine.abort(request_id)
         return len(ids)
 
-    async def run(self, request_ids: list[str], inputs: list[list[int]], priority: int) -> list[ClassifyResult]:
-        """Classify every input (each is batched with whatever else is queued); admission as the
-        generation routes do it: refused at once when draining or at --max-concurrent-requests."""
+    async def run(self, request_ids: list[str], inputs: list[list[int]], priority: int,
+                  token_types: list[list[int]] | None = None) -> list[ClassifyResult]:
+        """Run every input (each is batched with whatever else is queued; token_types for text
+        pairs); admission as the generation routes do it: refused at once when draining or at
+        --max-concurrent-requests."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         if self.num_in_flight >= self.max_concurrent_requests:
@@ -110,8 +121,9 @@ class ClassifyState:
         self.num_in_flight += 1
         self.in_flight.update(request_ids)
         start = time.monotonic()
-        tasks = [asyncio.ensure_future(self.engine.classify(rid, ids, priority))
-                 for rid, ids in zip(request_ids, inputs)]
+        types = token_types if token_types is not None else [None] * len(inputs)
+        tasks = [asyncio.ensure_future(self.engine.classify(rid, ids, priority, tt))
+                 for rid, ids, tt in zip(request_ids, inputs, types)]
         try:
             async with asyncio.timeout(self.request_timeout):
                 results = await asyncio.gather(*tasks)
@@ -129,7 +141,7 @@ class ClassifyState:
         m = self.metrics
         m.e2e.observe(time.monotonic() - start)
         m.prompt_tokens.inc(sum(map(len, inputs)))
-        m.requests.inc(1, "classified")
+        m.requests.inc(1, "classified" if self.task == "classify" else "embedded")
         return list(results)
 
 
@@ -155,28 +167,42 @@ def _texts_or_ids(value: Any, param: str) -> tuple[list[str] | None, list[list[i
 
 
 def encode_inputs(state: ClassifyState, value: Any, param: str, add_special_tokens: bool,
-                  truncate: int | None = None) -> list[list[int]]:
+                  truncate: int | None = None, whole_prompt: bool = False) -> list[list[int]]:
     """Token ids of every input (the last `truncate` of each, if given), each checked against the
-    context length and the vocabulary."""
+    context length and the vocabulary. whole_prompt: the text is the model's whole input, written
+    by the caller (embeddings), so special-token strings in it are the tokens, as
+    sentence-transformers reads them; otherwise they stay text."""
     texts, given = _texts_or_ids(value, param)
     if texts is not None:
-        ids = [state.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+        encode = state.tokenizer.encode_prompt if whole_prompt else state.tokenizer.encode
+        ids = [encode(t, add_special_tokens=add_special_tokens) for t in texts]
     else:
         ids = given or []
     if truncate is not None:
-        if truncate == -1:
-            truncate = state.max_model_len
-        if not 1 <= truncate <= state.max_model_len:
-            raise ApiError(400, f"truncate_prompt_tokens: must be -1 or in [1, {state.max_model_len}] (the maximum "
-                           f"context length), got {truncate}", "truncate_prompt_tokens")
+        truncate = truncation(state, truncate)
         ids = [x[-truncate:] for x in ids]
     single = isinstance(value, str) or (bool(value) and isinstance(value[0], int))
     for i, tokens in enumerate(ids):
-        try:
-            state.engine.validate(tokens, param if single else f"{param}[{i}]")
-        except InvalidRequestError as e:
-            raise ApiError(400, str(e), param) from None
+        check_tokens(state, tokens, param if single else f"{param}[{i}]")
     return ids
+
+
+def truncation(state: ClassifyState, truncate: int) -> int:
+    """vLLM's truncate_prompt_tokens: -1 means the context length."""
+    if truncate == -1:
+        return state.max_model_len
+    if not 1 <= truncate <= state.max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens: must be -1 or in [1, {state.max_model_len}] (the maximum "
+                       f"context length), got {truncate}", "truncate_prompt_tokens")
+    return truncate
+
+
+def check_tokens(state: ClassifyState, tokens: list[int], name: str) -> None:
+    """400 naming the input when it is empty, longer than the context or outside the vocabulary."""
+    try:
+        state.engine.validate(tokens, name)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), name.split("[")[0]) from None
 
 
 def request_ids(rid: str | list[str] | None, count: int, prefix: str) -> list[str]:
@@ -195,9 +221,9 @@ def request_ids(rid: str | list[str] | None, count: int, prefix: str) -> list[st
 
 
 def classification(state: ClassifyState, index: int, result: ClassifyResult, activation: bool = True) -> dict[str, Any]:
-    probs = probabilities(result.logits) if activation else result.logits
+    probs = probabilities(result.output) if activation else result.output
     labels = state.config.labels
-    return {"index": index, "label": labels[int(result.logits.argmax())], "probs": [float(p) for p in probs],
+    return {"index": index, "label": labels[int(result.output.argmax())], "probs": [float(p) for p in probs],
             "num_classes": len(labels)}
 
 
@@ -220,6 +246,7 @@ INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of li
 
 async def classify(state: ClassifyState) -> Response:
     """Classify a string or a list of strings (or token ids): labels and class probabilities."""
+    require_task(state, "classify", "/v1/classify")
     body = await request.get_data(cache=False)
     return await _classify(state, parse(ClassifyRequest, body, "input", INPUT_SHAPES))
 
@@ -241,6 +268,7 @@ async def _classify(state: ClassifyState, req: ClassifyRequest) -> Response:
 async def classify_either(state: ClassifyState) -> Response:
     """vLLM's /classify (a body with `input`), or SGLang's legacy reward-model /classify (`text` or
     `input_ids`; raw scores returned as `embedding`, one object per input)."""
+    require_task(state, "classify", "/classify")
     body = await request.get_data(cache=False)
     try:
         parsed = json.loads(body)
@@ -264,7 +292,7 @@ async def _legacy_classify(state: ClassifyState, req: LegacyClassifyRequest) -> 
     start = time.monotonic()
     results = await state.run(rids, inputs, req.priority or 0)
     latency = time.monotonic() - start
-    out = [{"embedding": [float(x) for x in r.logits],
+    out = [{"embedding": [float(x) for x in r.output],
             "meta_info": {"id": rid, "prompt_tokens": r.num_tokens, "e2e_latency": latency}}
            for rid, r in zip(rids, results)]
     single = isinstance(value, str) or (bool(value) and isinstance(value[0], int))
@@ -278,15 +306,37 @@ async def models(state: ClassifyState) -> Response:
 
 async def get_model_info(state: ClassifyState) -> Response:
     """SGLang's model info: not a generation model."""
-    return jsonify({"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": False,
-                    "max_model_len": state.max_model_len, "architecture": state.config.architecture,
-                    "num_labels": state.config.num_labels, "id2label": dict(enumerate(state.config.labels))})
+    info = {"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": False,
+            "max_model_len": state.max_model_len, "architecture": state.config.architecture}
+    if isinstance(state.config, ClassifierConfig):
+        info.update(num_labels=state.config.num_labels, id2label=dict(enumerate(state.config.labels)))
+    else:
+        info.update(embedding_dimensions=state.config.dimensions, pooling=state.config.pooling,
+                    normalize=state.config.normalize)
+    return jsonify(info)
+
+
+def require_task(state: ClassifyState, task: str, route_name: str) -> None:
+    """400 when the served model cannot answer `route_name` (a classifier asked for embeddings, or
+    an embedding model for classes)."""
+    if state.task == task:
+        return
+    if state.task == "embed":
+        raise ApiError(400, f"model `{state.model_name}` ({state.config.architecture}) is an embedding model with "
+                       f"no classification head; {route_name} needs a classifier served with --task classify. It "
+                       "serves POST /v1/embeddings, /v1/score and /v1/rerank", code="wrong_task")
+    raise ApiError(400, f"model `{state.model_name}` ({state.config.architecture}) is a classification model, "
+                   f"not an embedding model; {route_name} needs one served with --task embed. It serves POST "
+                   "/v1/classify" + (", /v1/score and /v1/rerank" if state.config.num_labels == 1 else ""),
+                   code="wrong_task")
 
 
 async def refuse_generation(state: ClassifyState, **_: Any) -> Response:
-    """Refused: this server serves a classification model."""
-    raise ApiError(400, f"model `{state.model_name}` ({state.config.architecture}) is a classification model "
-                   "and cannot generate text; use POST /v1/classify, or serve a causal language model "
+    """Refused: this server serves a classification or embedding model."""
+    kind = "an embedding" if state.task == "embed" else "a classification"
+    routes = "POST /v1/embeddings" if state.task == "embed" else "POST /v1/classify"
+    raise ApiError(400, f"model `{state.model_name}` ({state.config.architecture}) is {kind} model "
+                   f"and cannot generate text; use {routes}, or serve a causal language model "
                    "(--task generate) for completions", code="wrong_task")
 
 
@@ -295,19 +345,22 @@ def create_classify_app(
     engine: AsyncClassifyEngine,
     tokenizer: Tokenizer,
     served_model_name: str | ModelNames,
-    config: ClassifierConfig,
+    config: PoolingConfig,
     max_model_len: int,
     api_keys: tuple[str, ...] = (),
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     request_timeout: float | None = None,
 ) -> Quart:
-    """The app of a classification model: /v1/classify and /classify, /v1/models, /health,
-    /metrics, /openapi.json, SGLang's /get_model_info; generation routes answer 400."""
+    """The app of a classification or embedding model: /v1/classify and /classify, or
+    /v1/embeddings; /v1/score and /v1/rerank; /v1/models, /health, /metrics, /openapi.json,
+    SGLang's /get_model_info; generation routes (and the other task's) answer 400."""
+    from jaxserve.server import embeddings, scoring
+
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     names = ModelNames.of(served_model_name)
     metrics = Metrics(names.primary)
-    metrics.gauge("num_requests_waiting", "Inputs waiting for a classification step.", lambda: engine.num_waiting)
+    metrics.gauge("num_requests_waiting", "Inputs waiting for a step.", lambda: engine.num_waiting)
     metrics.gauge("num_requests_running", "Inputs queued or in a step.", lambda: engine.num_requests)
     state = ClassifyState(engine=engine, tokenizer=tokenizer, model_names=names, config=config,
                           max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
@@ -315,6 +368,8 @@ def create_classify_app(
     app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None)
     route(app, state, "/v1/classify", classify, "POST", ClassifyRequest)
     route(app, state, "/classify", classify_either, "POST", ClassifyRequest)
+    embeddings.register(app, state)
+    scoring.register(app, state)
     route(app, state, "/v1/models", models, "GET")
     route(app, state, "/get_model_info", get_model_info, "GET")
     for rule in GENERATION_ROUTES:
@@ -323,7 +378,9 @@ def create_classify_app(
 
 
 def register_refusals(app: Quart, state: Any) -> None:
-    """On a generation server, /v1/classify and /classify answer 400 with the reason."""
+    """On a generation server, the classification, embedding and scoring routes answer 400 with
+    the reason."""
+    from jaxserve.server import embeddings, scoring
 
     async def refuse(state: Any) -> Response:
         """Refused: this server serves a generation model."""
@@ -333,41 +390,54 @@ def register_refusals(app: Quart, state: Any) -> None:
                        "(e.g. Qwen2ForSequenceClassification, BertForSequenceClassification) served with "
                        "--task classify (or auto)", code="wrong_task")
 
+    async def refuse_pooling(state: Any) -> Response:
+        """Refused: this server serves a generation model."""
+        arch = state.engine.info.architecture
+        raise ApiError(400, f"model `{state.model_name}` ({arch}) is served for text generation; embeddings, "
+                       "scores and reranking need an embedding model (--task embed, e.g. BertModel with a "
+                       "sentence-transformers config, or a causal LM such as Qwen3-Embedding) or a one-label "
+                       "cross-encoder (--task classify)", code="wrong_task")
+
     route(app, state, "/v1/classify", refuse, "POST", ClassifyRequest)
     route(app, state, "/classify", refuse, "POST", ClassifyRequest)
+    for rule, model in (*embeddings.ROUTES, *scoring.ROUTES):
+        route(app, state, rule, refuse_pooling, "POST", model)
 
 
 # ---- start-up ------------------------------------------------------------------------------------
 def detect_task(model: str, requested: str, load_format: str = "auto") -> str:
-    """--task auto|generate|classify for `model`: a checkpoint's config.json decides auto; GGUF files
-    hold causal LMs only. Raises UnsupportedModelError when the asked task is impossible."""
-    from jaxserve.models.classifier import resolve_task
+    """--task auto|generate|classify|embed for `model`: a checkpoint's config.json (and its
+    sentence-transformers files) decides auto; GGUF files hold causal LMs only. Raises
+    UnsupportedModelError when the asked task is impossible."""
+    from jaxserve.models.tasks import resolve_task
     from jaxserve.models.config import UnsupportedModelError
     from jaxserve.weights.source import resolve
 
     source = resolve(model, weights=load_format != "dummy")
     if source.kind != "hf":  # no need to parse the GGUF header (seconds): it is a causal LM
-        if requested == "classify":
-            raise UnsupportedModelError(f"--task classify: {source.path.name} is a GGUF file, which holds causal "
-                                        "language models only; classification loads a Hugging Face directory")
+        if requested in ("classify", "embed"):
+            raise UnsupportedModelError(f"--task {requested}: {source.path.name} is a GGUF file, which jaxserve "
+                                        "serves for generation only; classification and embedding models load from "
+                                        "a Hugging Face directory")
         return "generate"
-    task = resolve_task(requested, source.config)
-    if task == "classify" and load_format == "dummy":
-        raise UnsupportedModelError("--load-format dummy: random weights are for generation models; a classifier "
+    task = resolve_task(requested, source.config, source.path)
+    if task != "generate" and load_format == "dummy":
+        raise UnsupportedModelError(f"--load-format dummy: random weights are for generation models; --task {task} "
                                     "loads its checkpoint")
     return task
 
 
-def build_classify_server(config: Any) -> tuple[Quart, AsyncClassifyEngine]:
-    """Load and compile the classifier named by `config` (a jaxserve Config) and build its app."""
+def build_classify_server(config: Any, task: str = "classify") -> tuple[Quart, AsyncClassifyEngine]:
+    """Load and compile the classifier (or, task "embed", the embedding model) named by `config`
+    (a jaxserve Config) and build its app."""
     import logging
 
     from jaxserve.startup import start_classify_engine
 
-    engine, tokenizer, loaded, timings = start_classify_engine(config)
+    engine, tokenizer, loaded, timings = start_classify_engine(config, task)
     logging.getLogger("jaxserve").info(
-        "ready in %.1fs (load %.1fs, compile %.1fs for %d classify step shapes)", timings["total"], timings["load"],
-        timings["compile"], len(engine.compile_seconds))
+        "ready in %.1fs (load %.1fs, compile %.1fs for %d %s step shapes)", timings["total"], timings["load"],
+        timings["compile"], len(engine.compile_seconds), task)
     async_engine = AsyncClassifyEngine(engine)
     srv = config.server
     app = create_classify_app(async_engine, tokenizer, served_names(config), loaded.config,

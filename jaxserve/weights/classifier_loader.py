@@ -1,5 +1,5 @@
-"""Build a ready classifier (decoder + score head, or BERT-style encoder + head) from a Hugging
-Face safetensors directory: every parameter is matched to its checkpoint tensor by name and shape,
+"""Build a ready classifier (decoder + score head, or BERT-style encoder + head) or embedding model
+(encoder or decoder body + pooling) from a Hugging Face safetensors directory: every parameter is matched to its checkpoint tensor by name and shape,
 converted and placed with its sharding straight from the memory-mapped file, as the causal-LM
 loader does (jaxserve.weights.tree); the orbax cache of converted weights is shared with it."""
 
@@ -17,14 +17,19 @@ from flax import nnx
 
 from jaxserve.models.bert import EncoderConfig
 from jaxserve.models.classifier import (
-    Classifier,
     ClassifierConfig,
-    build_classifier,
     classifier_architecture,
     classifier_config_from_hf,
     head_tensor,
 )
 from jaxserve.models.config import UnsupportedModelError
+from jaxserve.models.embedder import (
+    EmbedderConfig,
+    PoolingConfig,
+    PoolingModel,
+    build_pooling_model,
+    embedder_config_from_hf,
+)
 from jaxserve.weights import orbax_cache
 from jaxserve.weights.loader import hf_name, resolve_dtype, restore_or_build
 from jaxserve.weights.safetensors_dir import WeightsError
@@ -48,8 +53,10 @@ _IGNORED_SUFFIXES = ("embeddings.position_ids", "rotary_emb.inv_freq")
 
 @dataclasses.dataclass
 class LoadedClassifier:
-    config: ClassifierConfig
-    model: Classifier
+    """A loaded classifier or embedding model (both pool one output per input)."""
+
+    config: PoolingConfig
+    model: PoolingModel
     source: ModelSource
     dtype: Any
     load_seconds: float
@@ -101,51 +108,67 @@ def decoder_classifier_hf_name(path: ParamPath) -> tuple[str, bool]:
     return f"{hf}.{'weight' if transposed else leaf}", transposed
 
 
-def hf_name_fn(cfg: ClassifierConfig) -> NameFn:
-    if isinstance(cfg.body, EncoderConfig):
+def hf_name_fn(cfg: PoolingConfig) -> NameFn:
+    if isinstance(cfg, EmbedderConfig):  # the body under `model`, named as its own checkpoint names it
         body = cfg.body
-        return lambda path: encoder_hf_name(body, path)
+        if isinstance(body, EncoderConfig):
+            return lambda path: encoder_hf_name(body, path[1:])
+        return lambda path: hf_name(path[1:])
+    if isinstance(cfg.body, EncoderConfig):
+        encoder = cfg.body
+        return lambda path: encoder_hf_name(encoder, path)
     return decoder_classifier_hf_name
 
 
-def num_layers(cfg: ClassifierConfig) -> int:
+def num_layers(cfg: PoolingConfig) -> int:
     return cfg.body.num_layers
 
 
 def _alias(source: ModelSource, name: str) -> str:
-    """The checkpoint's name for `name`: old BERT checkpoints call LayerNorm weights gamma/beta."""
+    """The checkpoint's name for `name`: old BERT checkpoints call LayerNorm weights gamma/beta; a
+    bare decoder body (Qwen3-Embedding) is saved without the causal LM's `model.` prefix, and a
+    bare encoder may be saved with its task model's `bert.` / `roberta.` prefix."""
     if name in source.tensors:
         return name
     for new, old in ((".LayerNorm.weight", ".LayerNorm.gamma"), (".LayerNorm.bias", ".LayerNorm.beta")):
         if name.endswith(new) and name[: -len(new)] + old in source.tensors:
             return name[: -len(new)] + old
+    for other in (name.removeprefix("model."), "bert." + name, "roberta." + name):
+        if other != name and other in source.tensors:
+            return other
     return name
 
 
-def _ignored(cfg: ClassifierConfig, name: str) -> bool:
+def _ignored(cfg: PoolingConfig, name: str) -> bool:
     if name.endswith(_IGNORED_SUFFIXES):
         return True
+    if isinstance(cfg, EmbedderConfig):
+        # Pooling reads the hidden states: BERT's pooler and a causal LM's head are unused.
+        return name == "lm_head.weight" or name.removeprefix("bert.").removeprefix("roberta.").startswith("pooler.")
     # RoBERTa classifiers read <s> through their own head; a pooler left in the file is unused.
     return isinstance(cfg.body, EncoderConfig) and cfg.body.head == "roberta" and name.startswith("roberta.pooler.")
 
 
-def abstract_classifier(cfg: ClassifierConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.State, dict]:
-    return abstract(lambda: build_classifier(cfg, dtype))
+def abstract_classifier(cfg: PoolingConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.State, dict]:
+    return abstract(lambda: build_pooling_model(cfg, dtype))
 
 
-def build_from_source(cfg: ClassifierConfig, source: ModelSource, dtype: Any,
-                      sharding: ShardingFn = single_device_sharding) -> Classifier:
+def build_from_source(cfg: PoolingConfig, source: ModelSource, dtype: Any,
+                      sharding: ShardingFn = single_device_sharding) -> PoolingModel:
     graphdef, state, tree = abstract_classifier(cfg, dtype)
     names = tensor_names(source, leaf_paths(tree), hf_name_fn(cfg), alias=lambda n: _alias(source, n),
                          ignored=lambda n: _ignored(cfg, n))
     return fill_from_source(graphdef, state, tree, source, names, dtype, sharding)
 
 
-def read_classifier_config(source: ModelSource) -> ClassifierConfig:
-    """The classifier's config; the number of classes is read from its head tensor's shape."""
+def read_classifier_config(source: ModelSource, task: str = "classify") -> PoolingConfig:
+    """The classifier's config (the number of classes is read from its head tensor's shape), or
+    the embedding model's (task "embed")."""
     if source.kind != "hf":
-        raise UnsupportedModelError(f"{source.path}: classification models load from a Hugging Face directory "
-                                    "(config.json + *.safetensors), not GGUF")
+        raise UnsupportedModelError(f"{source.path}: classification and embedding models load from a Hugging Face "
+                                    "directory (config.json + *.safetensors), not GGUF")
+    if task == "embed":
+        return embedder_config_from_hf(source.config, source.path)
     arch = classifier_architecture(source.config)
     if arch is None:
         # Let the config parser name the supported architectures.
@@ -163,21 +186,26 @@ def load_classifier(
     cache_dir: Path | None = None,
     use_cache: bool = True,
     sharding: ShardingFn = single_device_sharding,
+    task: str = "classify",
 ) -> LoadedClassifier:
-    """Load a classifier checkpoint. With use_cache, converted weights go to (and later come from)
-    the orbax cache under cache_dir, keyed by the source files and the dtype."""
+    """Load a classifier (task "classify") or embedding model ("embed") checkpoint. With
+    use_cache, converted weights go to (and later come from) the orbax cache under cache_dir,
+    keyed by the source files, the dtype and the task (their parameter trees differ)."""
     start = time.perf_counter()
     source = resolve(model)
-    cfg = read_classifier_config(source)
+    cfg = read_classifier_config(source, task)
     jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform)
     weights_dir = None
     if use_cache and cache_dir is not None:
-        weights_dir = orbax_cache.entry_dir(cache_dir, source.fingerprint()) / jnp.dtype(jdtype).name
+        entry = orbax_cache.entry_dir(cache_dir, source.fingerprint()) / jnp.dtype(jdtype).name
+        weights_dir = entry if task == "classify" else entry.with_name(f"{entry.name}-{task}")
     classifier, from_cache = restore_or_build(weights_dir, lambda: abstract_classifier(cfg, jdtype),
                                               lambda: build_from_source(cfg, source, jdtype, sharding), sharding,
                                               source.config)
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%s, %d labels, %s, %d layers) in %.2fs%s", source.path, cfg.architecture, cfg.num_labels,
+    what = (f"{cfg.pooling} pooling{', normalised' if cfg.normalize else ''}" if isinstance(cfg, EmbedderConfig)
+            else f"{cfg.num_labels} labels")
+    log.info("loaded %s (%s, %s, %s, %d layers) in %.2fs%s", source.path, cfg.architecture, what,
              jnp.dtype(jdtype).name, num_layers(cfg), seconds, " from the orbax cache" if from_cache else "")
     return LoadedClassifier(cfg, classifier, source, jdtype, seconds, from_cache)
 

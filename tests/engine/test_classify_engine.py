@@ -36,10 +36,11 @@ def test_every_step_runs_a_shape_compiled_at_start_up(engine):
     assert set(engine.runner.compiled_buckets) == set(engine.buckets)
     # Each input alone gives the same logits as packed with others.
     for x, r in zip(inputs[:3], results):
-        np.testing.assert_allclose(engine.classify([x])[0].logits, r.logits, atol=1e-5)
+        np.testing.assert_allclose(engine.classify([x])[0].output, r.output, atol=1e-5)
     from jaxserve.engine.classify_batcher import PackedStep
 
-    odd = PackedStep(Bucket(48, 2), ["q"], [1], *(np.zeros(48, np.int32),) * 3, np.zeros(2, np.int32))
+    odd = PackedStep(Bucket(48, 2), ["q"], [1], *(np.zeros(48, np.int32),) * 3, np.zeros(2, np.int32),
+                     np.zeros(48, np.int32))
     with pytest.raises(RuntimeError, match="was not compiled at start-up"):
         engine.runner.dispatch(odd)
 

@@ -41,7 +41,7 @@ def test_probs_match_hf_for_a_packed_batch_of_four(tiny):
     name, directory, hf = tiny
     loaded = load_classifier(directory, "float32", use_cache=False)
     engine = _engine(loaded)
-    ours = np.stack([r.logits for r in engine.classify(INPUTS)])
+    ours = np.stack([r.output for r in engine.classify(INPUTS)])
     assert engine.num_steps == 1  # all four inputs went through one packed step
     pad = 1 if "roberta" in name else 0
     ref = hf_logits(hf, INPUTS, pad)
@@ -89,7 +89,7 @@ def test_long_steps_attend_in_query_blocks(tmp_path, monkeypatch, name):
     config = ClassifyConfig(max_model_len=20, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,))
     engine = ClassifyEngine(loaded.model, loaded.config, config)
     engine.compile()
-    ours = np.stack([r.logits for r in engine.classify(inputs)])
+    ours = np.stack([r.output for r in engine.classify(inputs)])
     assert engine.num_steps == 1
     np.testing.assert_allclose(ours, hf_logits(hf, inputs, 0).numpy(), atol=1e-5, rtol=0)
 
@@ -101,14 +101,14 @@ def test_decoder_pools_the_last_token_that_is_not_padding(tmp_path):
     (ours,) = engine.classify([[5, 6, 7, 0, 0]])
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([[5, 6, 7, 0, 0]])).logits[0]
-    np.testing.assert_allclose(ours.logits, ref.numpy(), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(ours.logits, engine.classify([[5, 6, 7]])[0].logits, atol=1e-6)
+    np.testing.assert_allclose(ours.output, ref.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours.output, engine.classify([[5, 6, 7]])[0].output, atol=1e-6)
 
 
 def test_bfloat16_close_to_float32(tmp_path):
     hf = make_tiny_classifier("qwen3-cls", tmp_path)
     loaded = load_classifier(tmp_path, "bfloat16", use_cache=False)
-    ours = np.stack([r.logits for r in _engine(loaded).classify(INPUTS)])
+    ours = np.stack([r.output for r in _engine(loaded).classify(INPUTS)])
     ref = hf_logits(hf, INPUTS, 0).numpy()
     assert ours.dtype == np.float32
     # bfloat16 keeps 8 mantissa bits; the head's logits here are O(1).
@@ -123,7 +123,7 @@ def test_weight_cache_round_trip(tmp_path):
     a = _engine(first).classify(INPUTS)
     b = _engine(second).classify(INPUTS)
     for x, y in zip(a, b):
-        np.testing.assert_array_equal(x.logits, y.logits)
+        np.testing.assert_array_equal(x.output, y.output)
 
 
 def test_checkpoint_errors_name_the_tensor(tmp_path):

@@ -193,6 +193,11 @@ def test_generation_routes_say_why(live):
     assert r.status_code == 400 and "/v1/classify" in r.json()["error"]["message"]
     r = _post(live, f"/v2/models/{MODEL}/generate", {"text_input": "w5"})
     assert r.status_code == 400 and "classification model" in r.json()["error"]
+    # Three labels are no single score, and a classifier is no embedding model.
+    r = _post(live, "/v1/score", {"text_1": "w5", "text_2": "w6"})
+    assert r.status_code == 400 and "has 3 labels; scoring needs a one-label cross-encoder" in r.text
+    r = _post(live, "/v1/embeddings", {"input": "w5"})
+    assert r.status_code == 400 and "not an embedding model" in r.text
 
 
 def test_models_health_metrics_and_model_info(live):
@@ -254,6 +259,9 @@ def test_a_generation_server_refuses_classify(tmp_path):
             status, body = asyncio.run(go(path))
             assert status == 400 and list(body) == ["error", "type", "code"]
             assert "Qwen2ForCausalLM) is a text-generation model with no classification head" in body["error"]
+        for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank"):
+            status, body = asyncio.run(go(path))
+            assert status == 400 and "is served for text generation; embeddings" in body["error"]["message"], body
     finally:
         engine.shutdown()
 
@@ -310,3 +318,6 @@ def test_task_flag(model_dir, tmp_path):
     with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM.*has no classification head"):
         detect_task(str(tmp_path), "classify")
     assert config_from_args(parse_args(["--model", "/m", "--task", "classify"])).model.task == "classify"
+    assert detect_task(str(tmp_path), "embed") == "embed"  # any causal LM embeds (last token)
+    with pytest.raises(UnsupportedModelError, match="--load-format dummy: .*--task embed loads its checkpoint"):
+        detect_task(str(tmp_path), "embed", "dummy")

@@ -94,16 +94,20 @@ def test_packed_arrays_for_a_decoder():
     np.testing.assert_array_equal(step.positions[:8], [0, 1, 2, 0, 1, 2, 3, 0])
     np.testing.assert_array_equal(step.segments, [0, 0, 0, 1, 1, 1, 1, 2] + [-1] * 8)
     np.testing.assert_array_equal(step.pool_rows, [2, 4, 7, 0])
-    assert all(a.dtype == np.int32 for a in (step.tokens, step.positions, step.segments, step.pool_rows))
+    assert all(a.dtype == np.int32 for a in (step.tokens, step.positions, step.segments, step.pool_rows,
+                                             step.token_types))
 
 
 def test_packed_arrays_for_encoders():
     bert = _batcher(PackingSpec("first", pad_token_id=0))
     bert.add(ClassifyItem("x", [101, 5, 102]))
-    bert.add(ClassifyItem("y", [101, 102]))
+    bert.add(ClassifyItem("y", [101, 102, 7, 102], token_types=[0, 0, 1, 1]))  # a text pair
     step = bert.next_step()
     np.testing.assert_array_equal(step.pool_rows[:2], [0, 3])
-    np.testing.assert_array_equal(step.positions[:5], [0, 1, 2, 0, 1])
+    np.testing.assert_array_equal(step.positions[:7], [0, 1, 2, 0, 1, 2, 3])
+    np.testing.assert_array_equal(step.token_types, [0, 0, 0, 0, 0, 1, 1] + [0] * 9)
+    with pytest.raises(ValueError, match="2 token types for 3 tokens"):
+        bert.add(ClassifyItem("z", [101, 5, 102], token_types=[0, 0]))
     roberta = PackingSpec("first", pad_token_id=1, roberta_positions=True)
     # fairseq's make_positions: from pad + 1, padding tokens at pad itself
     np.testing.assert_array_equal(roberta.positions(np.array([0, 5, 1, 6])), [2, 3, 1, 4])
@@ -115,3 +119,14 @@ def test_probabilities():
     np.testing.assert_allclose(p[1], [1 / 3] * 3)
     np.testing.assert_allclose(probabilities(np.array([1000.0, 0.0])), [1.0, 0.0])  # no overflow
     assert probabilities(np.array([-2.5])).tolist() == [-2.5]  # a reward model's score, as is
+
+
+def test_finish_embedding_cuts_then_normalises():
+    from jaxserve.engine.classify_batcher import cosine, finish_embedding
+
+    v = np.array([3.0, 4.0, 12.0], np.float32)
+    np.testing.assert_allclose(finish_embedding(v, True), v / 13.0, rtol=1e-6)
+    np.testing.assert_allclose(finish_embedding(v, True, 2), [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_array_equal(finish_embedding(v, False, 2), [3.0, 4.0])
+    np.testing.assert_array_equal(finish_embedding(np.zeros(3), True), np.zeros(3))  # no division by zero
+    assert cosine(v, 2 * v) == pytest.approx(1.0) and cosine(np.array([1.0, 0]), np.array([0, 1.0])) == 0.0

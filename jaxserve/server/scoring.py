@@ -1,0 +1,199 @@
+"""`POST /v1/score` (`text_1`, `text_2`) and `POST /v1/rerank` (Jina / Cohere shape: `query`,
+`documents`, `top_n`, `return_documents`), as vLLM serves them, also at `/score`, `/rerank` and
+Cohere's `/v2/rerank`.
+
+Two ways to score a pair, by what the server runs:
+- a cross-encoder (a classifier with one label, e.g. BertForSequenceClassification trained as a
+  sentence-transformers CrossEncoder): the pair is one input, tokenized as HF's
+  `tokenizer(text_1, text_2)` (token types 0 then 1), and the score is its logit through the
+  checkpoint's CrossEncoder activation (sigmoid unless config.json names Identity);
+  `activation: false` returns the raw logit;
+- an embedding model: each text is embedded once and the score is the cosine similarity.
+A classifier with several labels has no single score: refused with 400 naming why.
+
+Pairing, as vLLM defines it: `text_1` a string (or a one-item list) is scored against every
+`text_2`; two lists of the same length are scored item by item; other lengths are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pydantic
+from pydantic import BaseModel, ConfigDict
+from quart import Quart, Response, jsonify, request
+
+from jaxserve.engine.classify_batcher import cosine, finish_embedding
+from jaxserve.models.classifier import ClassifierConfig
+from jaxserve.server.errors import ApiError
+from jaxserve.server.generation import new_id, route
+
+if TYPE_CHECKING:
+    from jaxserve.server.classify import ClassifyState
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    activation: bool = True  # cross-encoders: false returns the raw logit
+    user: str | None = None
+    priority: int = 0
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    text: str
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int = pydantic.Field(default=0, ge=0)  # 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    activation: bool = True
+    user: str | None = None
+    priority: int = 0
+
+
+ROUTES = (("/v1/score", ScoreRequest), ("/score", ScoreRequest), ("/v1/rerank", RerankRequest),
+          ("/rerank", RerankRequest), ("/v2/rerank", RerankRequest))
+
+
+def pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """(first, second) of every score, by vLLM's pairing rules; empty texts are refused."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    for name, texts in (("text_1", first), ("text_2", second)):
+        if not texts:
+            raise ApiError(400, f"{name}: must not be empty", name)
+        for i, t in enumerate(texts):
+            if not t.strip():
+                where = name if len(texts) == 1 else f"{name}[{i}]"
+                raise ApiError(400, f"{where}: must not be empty or only whitespace", name)
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ApiError(400, f"text_1 and text_2: {len(first)} and {len(second)} texts; give one text_1 for any "
+                       "number of text_2, or lists of the same length", "text_2")
+    return list(zip(first, second))
+
+
+def _activate(logit: float, cfg: ClassifierConfig, activation: bool) -> float:
+    if activation and cfg.score_activation == "sigmoid":
+        return float(1.0 / (1.0 + np.exp(-np.float64(logit))))
+    return float(logit)
+
+
+async def cross_encoder_scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+                               truncate: int | None, activation: bool, priority: int) -> tuple[list[float], int]:
+    """One input per pair through the one-label classifier; returns (scores, prompt tokens)."""
+    from jaxserve.server.classify import check_tokens, request_ids, truncation
+
+    cfg = state.config
+    assert isinstance(cfg, ClassifierConfig)
+    if cfg.num_labels != 1:
+        raise ApiError(400, f"model `{state.model_name}` ({cfg.architecture}) has {cfg.num_labels} labels; scoring "
+                       "needs a one-label cross-encoder (or an embedding model); use /v1/classify for class "
+                       "probabilities", code="wrong_task")
+    max_length = None if truncate is None else truncation(state, truncate)
+    inputs, types = [], []
+    for (a, b), name in zip(pair_list, names):
+        ids, tt = state.tokenizer.encode_pair(a, b, max_length)
+        check_tokens(state, ids, name)
+        inputs.append(ids)
+        types.append(tt)
+    results = await state.run(request_ids(None, len(inputs), "score"), inputs, priority, types)
+    return [_activate(r.output[0], cfg, activation) for r in results], sum(r.num_tokens for r in results)
+
+
+async def embedding_scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+                           truncate: int | None, priority: int) -> tuple[list[float], int]:
+    """Cosine similarity of each pair's embeddings; every distinct text is embedded once."""
+    from jaxserve.server.classify import check_tokens, request_ids, truncation
+
+    texts = list(dict.fromkeys(t for pair in pair_list for t in pair))
+    limit = None if truncate is None else truncation(state, truncate)
+    inputs = []
+    names_of = {}
+    for (a, b), name in zip(pair_list, names):
+        names_of.setdefault(a, name.replace("text_2", "text_1").replace("documents", "query"))
+        names_of.setdefault(b, name)
+    for t in texts:
+        ids = state.tokenizer.encode_prompt(t)
+        if limit is not None:
+            ids = ids[-limit:]
+        check_tokens(state, ids, names_of[t])
+        inputs.append(ids)
+    results = await state.run(request_ids(None, len(inputs), "score"), inputs, priority)
+    normalize = getattr(state.config, "normalize", True)
+    vectors = {t: finish_embedding(r.output, normalize) for t, r in zip(texts, results)}
+    return [cosine(vectors[a], vectors[b]) for a, b in pair_list], sum(r.num_tokens for r in results)
+
+
+async def _scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+                  truncate: int | None, activation: bool, priority: int) -> tuple[list[float], int]:
+    if state.task == "embed":
+        return await embedding_scores(state, pair_list, names, truncate, priority)
+    return await cross_encoder_scores(state, pair_list, names, truncate, activation, priority)
+
+
+async def score(state: ClassifyState) -> Response:
+    """Score text pairs: a cross-encoder's relevance, or an embedding model's cosine similarity."""
+    from jaxserve.server.classify import parse
+
+    req = parse(ScoreRequest, await request.get_data(cache=False), "text_2", "a string or a list of strings")
+    state.model_names.check(req.model)
+    pair_list = pairs(req.text_1, req.text_2)
+    names = ["text_2" if len(pair_list) == 1 else f"text_2[{i}]" for i in range(len(pair_list))]
+    scores, num_tokens = await _scores(state, pair_list, names, req.truncate_prompt_tokens, req.activation,
+                                       req.priority)
+    return jsonify({
+        "id": new_id("score"), "object": "list", "created": int(time.time()), "model": state.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None},
+    })
+
+
+async def rerank(state: ClassifyState) -> Response:
+    """Rank documents by relevance to a query, best first (the first `top_n`, if given)."""
+    from jaxserve.server.classify import parse
+
+    req = parse(RerankRequest, await request.get_data(cache=False), "documents",
+                "a list of strings or of {\"text\": ...} objects")
+    state.model_names.check(req.model)
+    if not req.query.strip():
+        raise ApiError(400, "query: must not be empty or only whitespace", "query")
+    if not req.documents:
+        raise ApiError(400, "documents: must not be empty", "documents")
+    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    for i, d in enumerate(docs):
+        if not d.strip():
+            raise ApiError(400, f"documents[{i}]: must not be empty or only whitespace", "documents")
+    scores, num_tokens = await _scores(state, [(req.query, d) for d in docs],
+                                       [f"documents[{i}]" for i in range(len(docs))], req.truncate_prompt_tokens,
+                                       req.activation, req.priority)
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])
+    if req.top_n:
+        order = order[: req.top_n]
+    results: list[dict[str, Any]] = []
+    for i in order:
+        item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            item["document"] = {"text": docs[i]}
+        results.append(item)
+    return jsonify({"id": new_id("rerank"), "model": state.model_name, "usage": {"total_tokens": num_tokens},
+                    "results": results})
+
+
+def register(app: Quart, state: ClassifyState) -> None:
+    for rule, model in ROUTES:
+        route(app, state, rule, score if model is ScoreRequest else rerank, "POST", model)
