@@ -49,6 +49,19 @@ def default_model() -> str | None:
     return str(ggufs[0]) if ggufs else None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """--hf-overrides: a JSON object, or the parser names what is wrong."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" only where it says something: not for a None or off default, and not
     where the help already states its default."""
@@ -79,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the model directory or file name). A request may also omit the model or send "
                    "\"default\" or \"null\" (FastDeploy's examples do); any other name gets 404 unless "
                    "--accept-any-model-name")
+    m.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="a JSON object whose keys replace those of the checkpoint's config.json (vLLM's flag), "
+                   "e.g. to serve Qwen3-Reranker as the one-label classifier its model card defines: "
+                   "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                   "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     m.add_argument("--accept-any-model-name", action="store_true",
                    help="answer requests naming any model with the served one, for clients and examples that "
                    "hard-code a name (OVMS's \"llama3\", Triton's \"mymodel\"); off: unknown names get 404")
@@ -320,6 +338,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             cache_dir=cache_dir,
             task=args.task,
             load_format=args.load_format,
+            hf_overrides=args.hf_overrides,
         ),
         cache=CacheConfig(
             page_size=args.page_size,
@@ -433,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def load() -> Any:
         from jaxserve.server.classify import build_classify_server, detect_task
 
-        task = detect_task(config.model.model, config.model.task, config.model.load_format)
+        task = detect_task(config.model.model, config.model.task, config.model.load_format, config.model.hf_overrides)
         if task != "generate":
             if config.parallel.tensor_parallel_size != 1:
                 raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: classification "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 
 def default_cache_dir() -> Path:
@@ -30,6 +31,7 @@ class ModelConfig:
     prompt_special_tokens: str = "parse"  # parse | text: special-token strings in raw prompts (tokenizer.py)
     served_model_aliases: tuple[str, ...] = ()  # more names requests may send (--served-model-name A B ...)
     accept_any_model_name: bool = False  # any requested name is the served model
+    hf_overrides: dict[str, Any] | None = None  # keys replacing the checkpoint's config.json (--hf-overrides)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

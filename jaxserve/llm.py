@@ -114,13 +114,15 @@ class LLM:
         prompt_special_tokens: str = "parse",
         skip_tokenizer_init: bool = False,
         task: str = "auto",
+        hf_overrides: dict[str, Any] | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
         (the checkpoint needs none); prompts are then token ids and outputs carry token ids with
         empty text, as in vLLM. task: "generate", "classify" (a sequence-classification or reward
         checkpoint, for `classify`), "embed" (an embedding model, for `embed`), or "auto" (the
-        checkpoint decides, as --task auto does)."""
+        checkpoint decides, as --task auto does). hf_overrides: keys replacing the checkpoint's
+        config.json, as --hf-overrides."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -131,7 +133,7 @@ class LLM:
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
-                              cache_dir=cache_dir, task=task, load_format=load_format,
+                              cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,
                               prompt_special_tokens=prompt_special_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
@@ -331,7 +333,7 @@ def _resolve_task(config: Config) -> str:
     from jaxserve.server.classify import detect_task
 
     m = config.model
-    task = detect_task(m.model, m.task, m.load_format)
+    task = detect_task(m.model, m.task, m.load_format, m.hf_overrides)
     if task != "generate" and config.parallel.tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {config.parallel.tensor_parallel_size}: classification and embedding "
                          "models run on one device; tensor parallelism is for generation models")

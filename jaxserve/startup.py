@@ -68,7 +68,7 @@ def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True,
     start = time.perf_counter()
     mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
-                        load_format=cfg.load_format,
+                        load_format=cfg.load_format, hf_overrides=cfg.hf_overrides,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
     tokenizer = None
@@ -168,7 +168,8 @@ def start_classify_engine(config: Config, task: str = "classify", default_max_mo
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
     m = config.model
-    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache, task=task)
+    loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache, task=task,
+                             hf_overrides=m.hf_overrides)
     tokenizer = None if skip_tokenizer_init else load_tokenizer(
         loaded.source.tokenizer_dir, None, m.chat_template, cache_dir=m.cache_dir,
         prompt_special_tokens=m.prompt_special_tokens)

@@ -79,6 +79,12 @@ class ClassifierConfig(OnABody):
     # What turns a one-label logit into a /v1/score or /v1/rerank score: sentence-transformers'
     # CrossEncoder activation as the checkpoint names it, sigmoid by default.
     score_activation: str = "sigmoid"
+    # vLLM's `classifier_from_token`: a causal LM served as a classifier whose head is its LM
+    # head's rows for these tokens; with `is_original_qwen3_reranker` (token_difference), one
+    # label, the second token's row minus the first's, so its sigmoid is the softmax probability
+    # of the second token against the first (Qwen3-Reranker's P("yes") over "no"/"yes").
+    from_tokens: tuple[str, ...] = ()
+    token_difference: bool = False
 
 
 
@@ -129,6 +135,26 @@ def score_activation(cfg: dict[str, Any]) -> str:
     return _ACTIVATIONS[short]
 
 
+def token_head(cfg: dict[str, Any]) -> tuple[tuple[str, ...], bool] | None:
+    """(tokens, difference) when config.json (usually through --hf-overrides) builds the head from
+    LM-head rows (`classifier_from_token`, `is_original_qwen3_reranker`); None otherwise."""
+    tokens = cfg.get("classifier_from_token")
+    difference = bool(cfg.get("is_original_qwen3_reranker"))
+    if tokens is None:
+        if difference:
+            raise UnsupportedModelError("is_original_qwen3_reranker needs classifier_from_token (e.g. [\"no\", \"yes\"])")
+        return None
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) and t for t in tokens)):
+        raise UnsupportedModelError(f"classifier_from_token must be a non-empty list of token strings, got {tokens!r}")
+    if difference and len(tokens) != 2:
+        raise UnsupportedModelError(f"is_original_qwen3_reranker scores with two tokens (no, yes), got {tokens}")
+    arch = classifier_architecture(cfg)
+    if arch not in DECODER_CLASSIFIERS or arch == "Qwen2ForRewardModel":
+        raise UnsupportedModelError(f"classifier_from_token builds the head of a decoder *ForSequenceClassification "
+                                    f"(set architectures to one, e.g. Qwen3ForSequenceClassification); got {arch}")
+    return tuple(tokens), difference
+
+
 def head_tensor(arch: str) -> str:
     """The checkpoint tensor whose first dimension is the number of classes."""
     if arch == "Qwen2ForRewardModel":
@@ -148,7 +174,11 @@ def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> Classifi
         )
     if num_classes < 1:
         raise UnsupportedModelError(f"the classification head has {num_classes} outputs")
-    labels = class_labels(cfg, num_classes)
+    from_tokens = token_head(cfg)
+    if from_tokens is not None:  # the labels are the tokens (the one label: the token it scores)
+        labels = from_tokens[0][1:] if from_tokens[1] else from_tokens[0]
+    else:
+        labels = class_labels(cfg, num_classes)
     if arch in ENCODER_CLASSIFIERS:
         body: Union[DecoderConfig, EncoderConfig] = encoder_config_from_hf(cfg, num_classes)
     else:
@@ -163,6 +193,7 @@ def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> Classifi
         architecture=arch, num_labels=num_classes, labels=labels, body=body,
         pad_token_id=None if pad is None else int(pad), reward_mlp=arch == "Qwen2ForRewardModel",
         score_activation=score_activation(cfg) if num_classes == 1 else "identity",
+        from_tokens=from_tokens[0] if from_tokens else (), token_difference=bool(from_tokens and from_tokens[1]),
     )
 
 

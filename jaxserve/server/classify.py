@@ -405,7 +405,8 @@ def register_refusals(app: Quart, state: Any) -> None:
 
 
 # ---- start-up ------------------------------------------------------------------------------------
-def detect_task(model: str, requested: str, load_format: str = "auto") -> str:
+def detect_task(model: str, requested: str, load_format: str = "auto",
+                hf_overrides: dict[str, Any] | None = None) -> str:
     """--task auto|generate|classify|embed for `model`: a checkpoint's config.json (and its
     sentence-transformers files) decides auto; GGUF files hold causal LMs only. Raises
     UnsupportedModelError when the asked task is impossible."""
@@ -413,7 +414,7 @@ def detect_task(model: str, requested: str, load_format: str = "auto") -> str:
     from jaxserve.models.config import UnsupportedModelError
     from jaxserve.weights.source import resolve
 
-    source = resolve(model, weights=load_format != "dummy")
+    source = resolve(model, weights=load_format != "dummy", overrides=hf_overrides)
     if source.kind != "hf":  # no need to parse the GGUF header (seconds): it is a causal LM
         if requested in ("classify", "embed"):
             raise UnsupportedModelError(f"--task {requested}: {source.path.name} is a GGUF file, which jaxserve "

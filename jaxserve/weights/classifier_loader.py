@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.models.bert import EncoderConfig
@@ -21,6 +22,7 @@ from jaxserve.models.classifier import (
     classifier_architecture,
     classifier_config_from_hf,
     head_tensor,
+    token_head,
 )
 from jaxserve.models.config import UnsupportedModelError
 from jaxserve.models.embedder import (
@@ -145,6 +147,8 @@ def _ignored(cfg: PoolingConfig, name: str) -> bool:
     if isinstance(cfg, EmbedderConfig):
         # Pooling reads the hidden states: BERT's pooler and a causal LM's head are unused.
         return name == "lm_head.weight" or name.removeprefix("bert.").removeprefix("roberta.").startswith("pooler.")
+    if cfg.from_tokens and name == "lm_head.weight":  # read through the derived score.weight
+        return True
     # RoBERTa classifiers read <s> through their own head; a pooler left in the file is unused.
     return isinstance(cfg.body, EncoderConfig) and cfg.body.head == "roberta" and name.startswith("roberta.pooler.")
 
@@ -153,8 +157,35 @@ def abstract_classifier(cfg: PoolingConfig, dtype: Any) -> tuple[nnx.GraphDef, n
     return abstract(lambda: build_pooling_model(cfg, dtype))
 
 
+def add_token_head(cfg: ClassifierConfig, source: ModelSource) -> None:
+    """Give `source` the `score.weight` a classifier_from_token head reads: the LM head's rows of
+    its tokens (or, for Qwen3-Reranker, the second row minus the first), computed in float32."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+    ids = []
+    for token in cfg.from_tokens:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise UnsupportedModelError(f"classifier_from_token: {token!r} is not a token of the vocabulary")
+        ids.append(int(i))
+    lm = "lm_head.weight" if "lm_head.weight" in source.tensors else _alias(source, "model.embed_tokens.weight")
+    if lm not in source.tensors:
+        raise WeightsError(f"{source.path}: classifier_from_token needs the LM head (lm_head.weight or the tied "
+                           "model.embed_tokens.weight)")
+    read, (vocab, hidden), _ = source.tensors[lm]
+
+    def score() -> np.ndarray:
+        rows = np.asarray(read()[ids], np.float32)
+        return rows[1:] - rows[:1] if cfg.token_difference else rows
+
+    source.tensors["score.weight"] = (score, (1 if cfg.token_difference else len(ids), hidden), np.dtype(np.float32))
+
+
 def build_from_source(cfg: PoolingConfig, source: ModelSource, dtype: Any,
                       sharding: ShardingFn = single_device_sharding) -> PoolingModel:
+    if isinstance(cfg, ClassifierConfig) and cfg.from_tokens:
+        add_token_head(cfg, source)
     graphdef, state, tree = abstract_classifier(cfg, dtype)
     names = tensor_names(source, leaf_paths(tree), hf_name_fn(cfg), alias=lambda n: _alias(source, n),
                          ignored=lambda n: _ignored(cfg, n))
@@ -173,6 +204,10 @@ def read_classifier_config(source: ModelSource, task: str = "classify") -> Pooli
     if arch is None:
         # Let the config parser name the supported architectures.
         return classifier_config_from_hf(source.config, 1)
+    from_tokens = token_head(source.config)
+    if from_tokens is not None:
+        tokens, difference = from_tokens
+        return classifier_config_from_hf(source.config, 1 if difference else len(tokens))
     head = head_tensor(arch)
     if head not in source.tensors:
         raise WeightsError(f"{source.path}: tensor {head} (the {arch} head) is missing from the checkpoint")
@@ -187,12 +222,13 @@ def load_classifier(
     use_cache: bool = True,
     sharding: ShardingFn = single_device_sharding,
     task: str = "classify",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedClassifier:
     """Load a classifier (task "classify") or embedding model ("embed") checkpoint. With
     use_cache, converted weights go to (and later come from) the orbax cache under cache_dir,
     keyed by the source files, the dtype and the task (their parameter trees differ)."""
     start = time.perf_counter()
-    source = resolve(model)
+    source = resolve(model, overrides=hf_overrides)
     cfg = read_classifier_config(source, task)
     jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform)
     weights_dir = None

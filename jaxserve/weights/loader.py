@@ -142,6 +142,7 @@ def load_model(
     sharding: ShardingFn = single_device_sharding,
     sharding_for: Callable[[DecoderConfig], ShardingFn] | None = None,
     load_format: str = "auto",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
     checkpoint of the converted parameters under cache_dir and later loads restore from it.
@@ -156,7 +157,7 @@ def load_model(
         # reads its own shards straight from the source files instead.
         log.info("multi-host: the orbax weight cache is off; each process loads its shards from the source")
         use_cache = False
-    source = resolve(model, weights=not dummy)
+    source = resolve(model, weights=not dummy, overrides=hf_overrides)
     cached = None
     if use_cache and cache_dir is not None and not dummy:
         # The dtype is part of the key, so resolve it from the checkpoint's own config first;

@@ -25,6 +25,9 @@ class ModelSource:
     path: Path  # directory or .gguf file
     kind: str  # "hf" | "gguf"
     files: list[Path]
+    # Keys replacing the checkpoint's own config (vLLM's --hf-overrides), e.g. to serve a causal LM
+    # as a reranker; they are part of the orbax cache key, as they change the model.
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def _reader(self) -> Any:
@@ -33,8 +36,8 @@ class ModelSource:
     @functools.cached_property
     def config(self) -> dict[str, Any]:
         if self.kind == "gguf":
-            return gguf_file.hf_config(self._reader, self.path)
-        return json.loads((self.path / "config.json").read_text())
+            return {**gguf_file.hf_config(self._reader, self.path), **self.overrides}
+        return {**json.loads((self.path / "config.json").read_text()), **self.overrides}
 
     @functools.cached_property
     def tensors(self) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
@@ -56,12 +59,14 @@ class ModelSource:
         for f in self.files:
             st = f.stat()
             h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        if self.overrides:
+            h.update(json.dumps(self.overrides, sort_keys=True).encode())
         return h.hexdigest()[:24]
 
 
-def resolve(model: str | Path, weights: bool = True) -> ModelSource:
-    """The checkpoint at `model`. With weights=False (random weights) an HF directory needs only
-    its config.json: no safetensors are looked for."""
+def resolve(model: str | Path, weights: bool = True, overrides: dict[str, Any] | None = None) -> ModelSource:
+    """The checkpoint at `model`, its config updated with `overrides`. With weights=False (random
+    weights) an HF directory needs only its config.json: no safetensors are looked for."""
     path = Path(model).expanduser()
     if not path.exists():
         raise WeightsError(
@@ -79,5 +84,5 @@ def resolve(model: str | Path, weights: bool = True) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise WeightsError(f"{path}: a model file must be .gguf (or pass a Hugging Face directory)")
-        return ModelSource(path, "gguf", [path])
-    return ModelSource(path, "hf", safetensors_dir.safetensors_files(path) if weights else [])
+        return ModelSource(path, "gguf", [path], dict(overrides or {}))
+    return ModelSource(path, "hf", safetensors_dir.safetensors_files(path) if weights else [], dict(overrides or {}))

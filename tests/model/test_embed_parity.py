@@ -141,3 +141,35 @@ def test_llm_embed_offline(tmp_path):
         llm.embed("w5", use_tqdm=False, dimensions=8)
     with pytest.raises(ValueError, match="LLM.generate needs task 'generate'.*use LLM.embed"):
         llm.generate("w5")
+
+
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w7", "w9"],
+            "is_original_qwen3_reranker": True}
+
+
+def test_qwen3_reranker_from_lm_head_tokens(tmp_path):
+    """A causal LM served as Qwen3-Reranker's model card scores: P(second token) against the
+    first at the last position, i.e. sigmoid(logit[w9] - logit[w7]); built from the LM head."""
+    from tiny_models import make_tiny_model, save_tiny_tokenizer
+
+    hf = make_tiny_model("qwen3", tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    loaded = load_classifier(tmp_path, "float32", use_cache=False, hf_overrides=RERANKER)
+    cfg = loaded.config
+    assert (cfg.num_labels, cfg.labels, cfg.score_activation) == (1, ("w9",), "sigmoid")
+    inputs = INPUTS[1:]
+    ours = np.array([r.output[0] for r in _engine(loaded).classify(inputs)])
+    with torch.no_grad():
+        logits = [hf(input_ids=torch.tensor([x])).logits[0, -1] for x in inputs]
+    np.testing.assert_allclose(ours, [float(lg[9] - lg[7]) for lg in logits], atol=1e-5, rtol=0)
+    probs = [float(torch.softmax(lg[[7, 9]], -1)[1]) for lg in logits]
+    np.testing.assert_allclose(1 / (1 + np.exp(-ours)), probs, atol=1e-6)
+    # Several tokens without the difference: one label per token, the LM head's logits.
+    plain = load_classifier(tmp_path, "float32", use_cache=False,
+                            hf_overrides={**RERANKER, "is_original_qwen3_reranker": False})
+    both = np.stack([r.output for r in _engine(plain).classify(inputs)])
+    np.testing.assert_allclose(both, [[float(lg[7]), float(lg[9])] for lg in logits], atol=1e-5, rtol=0)
+    with pytest.raises(UnsupportedModelError, match="'nope' is not a token of the vocabulary"):
+        load_classifier(tmp_path, "float32", use_cache=False, hf_overrides={**RERANKER, "classifier_from_token": ["w7", "nope"]})
+    with pytest.raises(UnsupportedModelError, match="scores with two tokens"):
+        load_classifier(tmp_path, "float32", use_cache=False, hf_overrides={**RERANKER, "classifier_from_token": ["w7"]})

@@ -173,3 +173,30 @@ def test_cross_encoder_score_and_rerank(cross_encoder):
     assert r.status_code == 400 and "text_2[1]" in r.text and "maximum context length of 32" in r.text
     r = _post(server, "/v1/score", {"text_1": "w5", "text_2": too_long, "truncate_prompt_tokens": 32})
     assert r.status_code == 200
+
+
+def test_qwen3_reranker_through_hf_overrides(tmp_path):
+    """`--hf-overrides` serves a causal LM as Qwen3-Reranker's model card scores: /v1/rerank's
+    relevance is P(w9) against w7 at the pair's last token (the query then the document)."""
+    from model.test_embed_parity import RERANKER
+    from tiny_models import make_tiny_model, save_tiny_tokenizer
+
+    hf = make_tiny_model("qwen3", tmp_path / "m")
+    save_tiny_tokenizer(tmp_path / "m")
+    server, engine = _serve(tmp_path / "m", tmp_path / "cache", "--max-model-len", str(MAX_LEN),
+                            "--hf-overrides", json.dumps(RERANKER))
+    try:
+        docs = ["w30 w31", "w40", "w50 w51 w52"]  # no w1.. or w2.. words: w1 and w2 are special tokens
+        r = _post(server, "/v1/rerank", {"query": "w5 w6", "documents": docs}).json()
+        with torch.no_grad():
+            logits = [hf(input_ids=torch.tensor([[5, 6, *(int(w[1:]) for w in d.split())]])).logits[0, -1]
+                      for d in docs]
+        want = [float(torch.softmax(lg[[7, 9]], -1)[1]) for lg in logits]
+        assert [x["index"] for x in r["results"]] == list(np.argsort(want)[::-1])
+        np.testing.assert_allclose([x["relevance_score"] for x in sorted(r["results"], key=lambda x: x["index"])],
+                                   want, atol=1e-5)
+    finally:
+        server.close()
+        engine.shutdown()
+    with pytest.raises(SystemExit):
+        parse_args(["--hf-overrides", "[1]"])
