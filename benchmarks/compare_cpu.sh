@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# CPU side-by-side: jaxserve vs llama-cpp-python's server vs HF transformers generate, one run.
+# CPU side-by-side: jaxserve vs llama.cpp's own llama-server (parallel slots), interleaved rounds.
 #
-#   bash benchmarks/compare_cpu.sh [flags for benchmarks.compare_cpu, e.g. --out-dir DIR]
+#   bash benchmarks/compare_cpu.sh [flags for benchmarks.compare_cpu, e.g. --rounds 3 --out-dir DIR]
 #
-# Builds llama-cpp-python[server] into $LLAMACPP_VENV (default /tmp/llamacpp-venv) the first time:
-# it compiles llama.cpp from source, ~10-20 min on 2 cores, kept at low priority. Then runs
-# `python -m benchmarks.compare_cpu` from the repository's .venv (make test or make install first;
-# plots need the bench extra: .venv/bin/pip install -e '.[bench]').
+# The peer is the llama-server binary at $LLAMA_SERVER (default ~/.cache/jaxserve-peers/llama-server).
+# Only when it is missing is it built, once, by ../shared/peers/build-llama-server.sh (about 12 min
+# on 2 cores; $LLAMA_SERVER_BUILD names another build script); a binary already there is never
+# rebuilt. Then runs `python -m benchmarks.compare_cpu` from the repository's .venv (make install
+# or make test first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LLAMACPP_VENV=${LLAMACPP_VENV:-/tmp/llamacpp-venv}
 PY=.venv/bin/python
 if [ ! -x "$PY" ]; then
   echo "error: $PY not found: run 'make install' (or 'make test') first" >&2
   exit 1
 fi
-if ! "$LLAMACPP_VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
-  echo "building llama-cpp-python[server] into $LLAMACPP_VENV (compiles llama.cpp; ~10-20 min on 2 cores)" >&2
-  "$(scripts/find-python.sh)" -m venv "$LLAMACPP_VENV"
-  "$LLAMACPP_VENV/bin/pip" install --quiet --upgrade pip
-  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} nice -n 15 \
-    "$LLAMACPP_VENV/bin/pip" install --quiet 'llama-cpp-python[server]'
+LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/jaxserve-peers/llama-server}
+if [ ! -x "$LLAMA_SERVER" ]; then
+  BUILD=${LLAMA_SERVER_BUILD:-../shared/peers/build-llama-server.sh}
+  if [ ! -f "$BUILD" ]; then
+    echo "error: no llama-server at $LLAMA_SERVER and no build script at $BUILD (set LLAMA_SERVER or LLAMA_SERVER_BUILD)" >&2
+    exit 1
+  fi
+  echo "building llama-server into $(dirname "$LLAMA_SERVER") with $BUILD (~12 min on 2 cores)" >&2
+  # The script prints the binary's path last on stdout; its build output goes to stderr.
+  LLAMA_SERVER=$(bash "$BUILD" "$(dirname "$LLAMA_SERVER")" | tail -n 1)
 fi
-exec "$PY" -m benchmarks.compare_cpu --llamacpp-python "$LLAMACPP_VENV/bin/python" "$@"
+exec "$PY" -m benchmarks.compare_cpu --llama-server "$LLAMA_SERVER" "$@"

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "Pallas kernels on GPUs (checked and timed on an H100), the native kernel on the CPU when it "
                    "builds (else the reference, with a warning; tensor-parallel CPU runs use the reference), and "
                    "the Pallas kernels on TPUs (compiled by the real TPU compiler in CI, not yet timed on a TPU)")
+    e.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+                   help="the weights' form in the steps: int8 quantizes every Linear kernel and the LM head "
+                   "(the embedding when tied) per output channel at load (symmetric, scale = max|w| / 127), so "
+                   "a decode step reads one byte per weight instead of two; the native CPU kernel and XLA's dot "
+                   "(GPU, TPU) both read int8. none keeps the checkpoint's values (a GGUF's blocks are "
+                   "dequantized); auto = none. Generation models only")
     e.add_argument("--matmul-backend", default="auto", choices=["auto", "xla", "cpu"],
                    help="how products with the weights run: xla (XLA's dot), or cpu, a native "
                    "kernel for bfloat16 weights on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later), "
@@ -339,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             task=args.task,
             load_format=args.load_format,
             hf_overrides=args.hf_overrides,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             page_size=args.page_size,

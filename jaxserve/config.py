@@ -32,6 +32,7 @@ class ModelConfig:
     served_model_aliases: tuple[str, ...] = ()  # more names requests may send (--served-model-name A B ...)
     accept_any_model_name: bool = False  # any requested name is the served model
     hf_overrides: dict[str, Any] | None = None  # keys replacing the checkpoint's config.json (--hf-overrides)
+    quantization: str = "auto"  # auto | none | int8 (jaxserve.models.products; auto: none for now)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -141,10 +141,13 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
          max_prefill_seqs: int = 4, page_size: int = 16, num_pages: int | None = None,
          kv_cache_memory_fraction: float = 0.9, decode_buckets: tuple[int, ...] | None = None,
          prefill_buckets: tuple[int, ...] | None = None, attention_backend: str = "pallas_tpu",
-         serving_compile: bool = True, kinds: tuple[str, ...] = ("prefill", "decode")) -> Plan:
+         serving_compile: bool = True, kinds: tuple[str, ...] = ("prefill", "decode"),
+         quantization: str = "none") -> Plan:
     """Compile every step of the configuration for `topology` and measure it (see the module doc).
     serving_compile=False compiles the decode steps only once, for the byte count (their memory
-    figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms)."""
+    figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms).
+    quantization: the weights' form, as --quantization (int8: one byte per weight, and a scale
+    per output channel)."""
     import jax
     import jax.numpy as jnp
 
@@ -173,6 +176,10 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                                max_prefill_seqs=max_prefill_seqs, decode_steps=1, row_params=lambda seq: None)
     sharding = ShardingPlan(mesh, cfg)
     graphdef, params = abstract_params(cfg, jdtype, mesh)
+    from jaxserve.models import products
+
+    head_path = ("embed_tokens",) if cfg.tie_word_embeddings else ("lm_head",)
+    params = products.abstract_place(params, head_path, quantization)
     programs = StepPrograms(graphdef, cfg, page_size=page_size, attention_backend=attention_backend, mesh=mesh,
                             params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, params))
     batch = abstract_batch(max_num_seqs + 1, cfg.vocab_size, max_pages_per_seq, sharding.replicated())
@@ -307,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x2, v6e:2x4 (jax topology names)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="chips to shard the model over")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="the weights' form, as the server's --quantization (int8: a byte per weight)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (as python -m jaxserve)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")
@@ -342,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
                   page_size=args.page_size, num_pages=args.num_pages,
-                  kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend)
+                  kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend,
+                  quantization=args.quantization)
     print(format_plan(result))
     if args.json:
         Path(args.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))

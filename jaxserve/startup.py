@@ -137,10 +137,13 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     attention_backend = resolve_backend(config.attention_backend, tensor_parallel=tp)
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
-    log.info("products: %s", products.describe_backend(matmul_backend))
+    quantization = products.resolve_quantization(config.model.quantization)
+    log.info("products: %s%s", products.describe_backend(matmul_backend),
+             ", weights quantized to int8 per output channel" if quantization == "int8" else "")
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
-                                 attention_backend=attention_backend, matmul_backend=matmul_backend)
+                                 attention_backend=attention_backend, matmul_backend=matmul_backend,
+                                 quantization=quantization)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
                           eos_ids=ready.generation_eos_ids)
@@ -164,10 +167,15 @@ def start_classify_engine(config: Config, task: str = "classify", default_max_mo
     from jaxserve.models.embedder import EmbedderConfig
     from jaxserve.weights.classifier_loader import load_classifier
 
+    from jaxserve.models import products
+
+    m = config.model
+    if products.resolve_quantization(m.quantization) != "none":
+        raise ValueError(f"--quantization {m.quantization}: classification and embedding models run with the "
+                         "checkpoint's weights; quantization is for generation models")
     start = time.perf_counter()
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
-    m = config.model
     loaded = load_classifier(m.model, m.dtype, cache_dir=m.cache_dir, use_cache=m.weight_cache, task=task,
                              hf_overrides=m.hf_overrides)
     tokenizer = None if skip_tokenizer_init else load_tokenizer(

@@ -6,6 +6,14 @@ bfloat16 dot does that at ~10 GB/s on two cores at 16 rows and ~1.4 GB/s at one 
 benchmarks/RESULTS.md), the kernel at the memory's rate; on the packed layout it also beats XLA's
 GEMM at prefill sizes, so it takes every row count. It needs AVX512-BF16 (Zen 4, Sapphire Rapids
 and later); `available()` says whether this machine has it and the kernel built.
+
+int8 weights (`quantize_int8`, `pack`, `matmul_int8`): per output column, symmetric, w ~= q * scale.
+The kernel's second entry point widens the int8 strips to bfloat16 exactly (|q| <= 127) inside
+its loop, so it reads one byte per weight and sums as exactly as the bf16 kernel on q * scale (the
+scale multiplies each float32 sum before the one rounding). On the 2-core Zen 4, weights streamed
+from DRAM, us per product, bf16 kernel -> int8 kernel: 576 x 1536 at 1 row 57-60 -> 30-33, at 16
+rows 92-94 -> 81; 1536 x 576 at 1 row 65-75 -> 35-38, at 16 rows 80-84 -> 80-85; level from 16 to
+512 rows (the table, the alternatives measured and the command: "int8 weights" in cpu_matmul.cc).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ log = logging.getLogger("jaxserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxserve_cpu_matmul"
+TARGET_INT8 = "jaxserve_cpu_matmul_int8"  # the int8 weight-only product (`matmul_int8`)
 STRIP = 32  # columns per strip of a packed weight: one 64-byte cache line of bfloat16
 
 
@@ -36,6 +45,7 @@ def _register() -> bool:
     if not lib.JaxserveMatmulSupported():
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_INT8, jax.ffi.pycapsule(lib.JaxserveMatmulInt8), platform="cpu")
     return True
 
 
@@ -62,7 +72,8 @@ def pack(w: jax.Array) -> jax.Array:
     """A weight w [K, N] in the kernel's strip layout, [ceil(N / 32), K, 32] (N padded with zeros):
     strip s holds columns [32 s, 32 s + 32) of every row, so a product reads each strip as one
     contiguous run instead of one cache line per row ~N apart, which on two Zen 4 cores streams
-    ~2x faster at one row (benchmarks/RESULTS.md)."""
+    ~2x faster at one row (benchmarks/RESULTS.md). Any dtype: `pack(q)` of `quantize_int8`'s int8
+    values is the int8 kernel's layout (a strip row is then 32 bytes, two rows to a cache line)."""
     if w.ndim != 2:
         raise ValueError(f"weight of shape {w.shape}: expected a 2-D [K, N] weight")
     k, n = w.shape
@@ -100,3 +111,57 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
     # Every row count: with each strip contiguous the kernel also beats XLA's GEMM at prefill sizes
     # (512 rows x 576 x 1536: 2.2 ms vs 2.6 ms on two Zen 4 cores), unlike on the [K, N] layout.
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(x, packed)
+
+
+def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [K, N] (any float dtype) -> (q [K, N] int8, scale [N] float32), w ~= q * scale: symmetric
+    per output channel, scale = max_k |w[k, n]| / 127 (1.0 for a column of zeros, so nothing
+    divides by zero), q = w / scale rounded half to even, in [-127, 127]; in float32, so
+    |w - q * scale| <= scale / 2 up to float32 rounding. -128 is never used: the range stays
+    symmetric. Pure jnp (any backend), jit-friendly; w must be finite."""
+    if w.ndim != 2:
+        raise ValueError(f"weight of shape {w.shape}: expected a 2-D [K, N] weight")
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=0, initial=0.0)  # initial: K = 0 gives zero columns
+    scale = jnp.where(amax > 0, amax / 127, jnp.float32(1.0))
+    q = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def uses_kernel_int8(x: jax.Array, packed_q: jax.Array) -> bool:
+    """Whether `matmul_int8` runs the native kernel for these operands (else XLA's GEMM): x
+    bfloat16, the weight int8, at least one row, static shapes, and the kernel built here."""
+    if not all(isinstance(d, int) for d in (*x.shape, *packed_q.shape)):
+        return False  # symbolic (exported) shapes
+    rows = int(np.prod(x.shape[:-1]))
+    return x.dtype == jnp.bfloat16 and packed_q.dtype == jnp.int8 and rows > 0 and available()
+
+
+def matmul_int8(x: jax.Array, packed_q: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+    """x [..., K] @ (q * scale) -> [..., N] in x's dtype, for `packed_q` = pack(q) and `scale` [N]
+    float32 from `quantize_int8` (unpadded: the kernel masks the last strip's scales). The sums are
+    float32 and the scale multiplies each after the contraction, before the one rounding to x's
+    dtype."""
+    if packed_q.ndim != 3 or packed_q.shape[2] != STRIP or packed_q.shape[0] != -(-n // STRIP):
+        raise ValueError(f"packed weight of shape {packed_q.shape} does not hold {n} columns in strips of {STRIP}")
+    if packed_q.shape[1] != x.shape[-1]:
+        raise ValueError(f"x of shape {x.shape} and packed weight of shape {packed_q.shape} disagree on K")
+    if packed_q.dtype != jnp.int8:
+        raise ValueError(f"packed weight of dtype {packed_q.dtype}: expected int8 (pack(quantize_int8(w)[0]))")
+    if scale.shape != (n,):
+        raise ValueError(f"scale of shape {scale.shape}: expected ({n},), one per output column")
+    if not uses_kernel_int8(x, packed_q):
+        return _matmul_int8_xla(x, packed_q, scale, n)
+    return jax.ffi.ffi_call(TARGET_INT8, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
+        x, packed_q, scale.astype(jnp.float32))
+
+
+def _matmul_int8_xla(x: jax.Array, packed_q: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+    """matmul_int8 on XLA's GEMM (where the kernel is not built, or x is not bfloat16): the int8
+    values converted to x's dtype (exact: |q| <= 127 fits bfloat16's 8 bits) feed a float32
+    contraction over the strips, then the scale, then one rounding to x's dtype, as the kernel.
+    A correctness path, not a fast one: XLA:CPU materializes the converted weight, so 576 x 1536
+    takes ~0.7-1.2 ms at 1-16 rows (the kernel ~0.03-0.08)."""
+    out = jnp.einsum("...k,skc->...sc", x, packed_q.astype(x.dtype), preferred_element_type=jnp.float32)
+    out = out.reshape(*x.shape[:-1], -1)[..., :n] * scale.astype(jnp.float32)
+    return out.astype(x.dtype)

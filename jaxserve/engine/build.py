@@ -40,6 +40,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu | cpu (auto resolved by the caller)
     matmul_backend: str = "xla"  # xla | cpu (auto resolved by the caller: jaxserve.models.products)
+    quantization: str = "none"  # none | int8: the weights' form in the steps (jaxserve.models.products)
     max_n: int = 128  # most samples (n / best_of) per request
     # Start step N+1 before turning step N's tokens into text (see Engine.step); False runs each
     # step to the end before the next starts (same tokens and text, for measuring the overlap).
@@ -108,7 +109,7 @@ def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights
     return ModelRunner(decoder, num_pages, config.cache.page_size,
                        math.ceil(sched.max_model_len / config.cache.page_size), sched.max_num_seqs + 1,
                        attention_backend=config.attention_backend, matmul_backend=config.matmul_backend,
-                       decode_steps=sched.decode_steps, take_weights=take_weights)
+                       quantization=config.quantization, decode_steps=sched.decode_steps, take_weights=take_weights)
 
 
 def compile_engine(engine: Engine) -> float:

@@ -45,6 +45,7 @@ class ModelRunner:
         kv_dtype: Any = None,
         attention_backend: str = "reference",
         matmul_backend: str = "xla",
+        quantization: str = "none",
         decode_steps: int = 1,
         take_weights: bool = False,
     ):
@@ -53,7 +54,8 @@ class ModelRunner:
         self.cfg = decoder.cfg
         self.graphdef, params = nnx.split(decoder)
         # The weights' types pick their products (jaxserve.models.products).
-        self.params = products.place(params, matmul_backend, decoder.head_path, consume=take_weights)
+        self.params = products.place(params, matmul_backend, decoder.head_path, quantization=quantization,
+                                     consume=take_weights)
         self.max_pages_per_seq = max_pages_per_seq
         self.num_slots = num_slots
         cpu = jax.devices()[0].platform == "cpu"

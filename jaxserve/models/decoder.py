@@ -172,7 +172,7 @@ class Decoder(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else zeros_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
 
     def embed(self, tokens: Array) -> Array:
-        x = products.rows(self.embed_tokens.get_value(), tokens)
+        x = products.rows(self.embed_tokens.get_value(), tokens, self.dtype)
         if self.cfg.embed_scale != 1.0:
             # HF multiplies by the scale rounded to the activation dtype.
             x = x * jnp.asarray(self.cfg.embed_scale, dtype=x.dtype)

@@ -128,3 +128,42 @@ def test_smollm2_bfloat16_engine_same_greedy_tokens(cache_dir, smollm2_tokenizer
 
     assert greedy("cpu", prompts[:1]) == greedy("xla", prompts[:1])
     assert greedy("cpu", prompts) == greedy("xla", prompts)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_place_int8_quantizes_kernels_and_the_head(backend, tmp_path):
+    """--quantization int8: every Linear kernel and the LM head become int8 with a scale per output
+    channel (CpuInt8Weight on the native kernel, Int8Weight on XLA), the originals are freed with
+    consume, an embedding lookup of the tied int8 head returns its dequantized rows, and products
+    equal x @ (q * scale) to bfloat16 rounding."""
+    if backend == "cpu" and not cpu_matmul.available():
+        pytest.skip("needs a CPU with AVX512-BF16 and a C++ compiler")
+    make_tiny_model("llama-mha-tied-bias", tmp_path)
+    model = load_model(tmp_path, "bfloat16", use_cache=False).model
+    assert model.lm_head is None and model.head_path == ("embed_tokens",)
+    graphdef, state = nnx.split(model)
+    embedding = np.asarray(state["embed_tokens"].get_value(), np.float32)
+    kernel = state["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+    x = jax.random.normal(jax.random.key(0), (3, kernel.shape[0]), jnp.bfloat16)
+    q, scale = cpu_matmul.quantize_int8(kernel)
+    expected = np.asarray(x, np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64))
+    originals = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+                 if "'kernel'" in jax.tree_util.keystr(path)]
+    placed = products.place(state, backend, model.head_path, quantization="int8", consume=True)
+    assert all(k.is_deleted() for k in originals)
+    kind = products.CpuInt8Weight if backend == "cpu" else products.Int8Weight
+    weights = [w for w in jax.tree_util.tree_leaves(placed, is_leaf=lambda a: isinstance(a, kind)) if isinstance(w, kind)]
+    assert len(weights) == 7 * model.cfg.num_layers + 1
+    up = placed["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+    np.testing.assert_allclose(np.asarray(products.linear(x, up), np.float64), expected,
+                               rtol=2**-7, atol=2**-7 * np.abs(expected).max())
+    head = placed["embed_tokens"].get_value()
+    ids = jnp.asarray([[0, 31, 32, 255]], jnp.int32)
+    rows = np.asarray(products.rows(head, ids, jnp.bfloat16), np.float32)
+    # Each row is its int8 values times the row's scale: within half a step of the original.
+    step = np.abs(embedding).max(axis=1) / 127
+    assert np.all(np.abs(rows[0] - embedding[ids[0]]) <= step[ids[0]][:, None] * 0.5 + 2**-7 * np.abs(embedding[ids[0]]))
+    quantized = nnx.merge(graphdef, placed)
+    tokens = jnp.asarray([[1, 17, 99, 5]], jnp.int32)
+    logits = np.asarray(quantized(tokens, jnp.arange(4)[None], jnp.asarray([4])))
+    assert logits.shape == (1, 4, model.cfg.vocab_size) and np.isfinite(logits).all()

@@ -106,3 +106,19 @@ def test_steps_move_activations_not_weights_or_pages(report, name, tp):
     assert layout["collectives"], "a sharded step communicates"
     heavy = {tuple(layout["kv_k"]["shape"])} | {tuple(s) for s in layout["param_shapes"] if len(s) > 1}
     assert not heavy & {tuple(s) for s in layout["collectives"]}
+
+
+def test_int8_weights_split_with_their_scales(report):
+    """--quantization int8 under tensor parallelism: the same greedy tokens at every size as the
+    no-cache reference on the same int8 weights; each int8 weight keeps its bf16/f32 weight's
+    split, and a column-split weight's scales are split with its columns."""
+    q8 = report["int8"]
+    for tp in map(str, SIZES):
+        assert q8["engine"][tp] == q8["reference"], f"int8 at TP {tp}"
+    for tp in map(str, SIZES[1:]):
+        q_proj, down = q8["layout"][tp]["q_proj"], q8["layout"][tp]["down_proj"]
+        assert q_proj["q"]["spec"] == report[NAMES[0]]["layout"][tp]["q_proj"]["spec"]
+        assert down["q"]["spec"] == report[NAMES[0]]["layout"][tp]["down_proj"]["spec"]
+        heads = _size(NAMES[0], "num_attention_heads")
+        if heads % int(tp) == 0:  # q_proj's columns are split: so are its scales
+            assert q_proj["scale"]["shard_shapes"][0][0] == q_proj["scale"]["shape"][0] // int(tp)

@@ -115,6 +115,37 @@ def run(name: str, sizes: list[int], work: Path) -> dict:
     return report
 
 
+def int8(name: str, sizes: list[int], work: Path) -> dict:
+    """--quantization int8 at every TP size: the engine's greedy tokens, the no-cache reference on
+    the same int8 weights, and how the int8 values and their scales are split."""
+    from jaxserve.models import products
+
+    directory = work / name
+    tokenizer = load_tokenizer(directory)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    report: dict = {"engine": {}, "layout": {}}
+    for tp in sizes:
+        mesh = make_mesh(tp)
+        sharding_for = param_sharding_for(mesh) if mesh is not None else None
+        model = load_model(directory, "float32", use_cache=False, sharding_for=sharding_for).model
+        if tp == 1:
+            graphdef, state = nnx.split(model)
+            quantized = nnx.merge(graphdef, products.place(state, "xla", model.head_path, quantization="int8"))
+            report["reference"] = greedy_reference(quantized, PROMPTS, MAX_TOKENS)
+        engine = build_engine(model, tokenizer, dataclasses.replace(CONFIG, quantization="int8"))
+        ids = [str(i) for i in range(len(PROMPTS))]
+        for rid, prompt in zip(ids, PROMPTS):
+            engine.add_request(rid, prompt, params)
+        results = run_to_completion(engine, ids)
+        report["engine"][tp] = [results[r].outputs[0].token_ids for r in ids]
+        weights = nnx.to_pure_dict(engine.runner.params)["layers"][1]
+        report["layout"][tp] = {
+            label: {"q": layout(w.q), "scale": layout(w.scale)}
+            for label, w in (("q_proj", weights["self_attn"]["q_proj"]["kernel"]),
+                             ("down_proj", weights["mlp"]["down_proj"]["kernel"]))}
+    return report
+
+
 def startup_and_orbax(work: Path, name: str, tp: int) -> dict:
     """The CLI's loading path at TP > 1, from the source and then from the orbax weight cache
     (written unsharded at TP 1, restored straight into the shards)."""
@@ -137,6 +168,7 @@ def main() -> None:
     for name in names:
         report[name] = run(name, [int(s) for s in sizes], work)
     report["startup"] = startup_and_orbax(work, names[0], int(sizes[-1]))
+    report["int8"] = int8(names[0], [int(s) for s in sizes], work)
     Path(out).write_text(json.dumps(report))
 
 
