@@ -63,8 +63,11 @@ def test_openai_errors(server, path, body, status, param, words):
 def test_body_too_large_and_unknown_routes(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x" * 100_000}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(server.url + "/v1/embeddings", json={}, timeout=60)
+    r = httpx.post(server.url + "/v1/audio/transcriptions", json={}, timeout=60)
     assert r.status_code == 404 and "error" in r.json()
+    # A route of another task is no unknown route: the generation server says why it refuses.
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
     assert httpx.get(server.url + "/v1/completions").status_code == 405
     assert httpx.post(server.url + "/v1/completions", json=OK_COMPLETION, timeout=60).status_code == 200
 
