@@ -228,14 +228,10 @@ class LLM:
         """The embedding of every prompt, in prompt order, as /v1/embeddings computes it: pooled
         as the checkpoint says, cut to `dimensions` (Matryoshka models only) and normalised unless
         normalize=False (None: as the checkpoint's sentence-transformers config says)."""
-        from jaxserve.server.embeddings import check_dimensions
-        from jaxserve.server.errors import ApiError
-
         self._require_task("embed", "LLM.embed")
-        try:
-            dimensions = check_dimensions(self.engine.cfg, dimensions)
-        except ApiError as e:
-            raise ValueError(e.message) from None
+        problem = self.engine.cfg.dimensions_problem(dimensions)
+        if problem:
+            raise ValueError(f"dimensions: {problem}")
         norm = self.engine.cfg.normalize if normalize is None else normalize
         order, inputs, results = self._pool(prompts, "embedding", use_tqdm)
         outputs = [EmbeddingOutput([float(x) for x in finish_embedding(r.output, norm, dimensions)]) for r in results]

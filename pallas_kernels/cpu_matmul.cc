@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -134,14 +135,17 @@ void strip_all_rows(const Problem& p, int64_t n0) {
   }
 }
 
+// Strips per task, for `strips` strips of `strip_bytes` each: about 8 tasks per thread so threads
+// that start late still get a share, and at least ~64 KB of weight so the pool's overhead stays small.
+int64_t strips_per_task(int64_t strips, int64_t threads, int64_t strip_bytes) {
+  const int64_t min_strips = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(strip_bytes, 1));
+  return std::max<int64_t>(min_strips, strips / (8 * std::max<int64_t>(threads, 1)));
+}
+
 template <typename Pool>
 void run_all(const Problem& p, Pool& pool) {
-  // Strips per task: about 8 tasks per thread so threads that start late still get a share, and at
-  // least ~64 KB of weight so the pool's overhead stays small.
   const int64_t strips = (p.n + kStrip - 1) / kStrip;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t min_strips = std::max<int64_t>(1, (64 * 1024 / 2) / std::max<int64_t>(p.k * kStrip, 1));
-  const int64_t chunk = std::max<int64_t>(min_strips, strips / (8 * threads));
+  const int64_t chunk = strips_per_task(strips, pool.num_threads(), p.k * kStrip * 2);  // bf16: 2 bytes each
   jaxserve::parallel_for(pool, (strips + chunk - 1) / chunk, [p, chunk, strips](int64_t i) {
     for (int64_t s = i * chunk; s < std::min(strips, (i + 1) * chunk); ++s) strip_all_rows(p, s * kStrip);
   });
@@ -343,42 +347,52 @@ void strips_int8(const ProblemInt8& p, int64_t s0, int64_t s1) {
 
 template <typename Pool>
 void run_all_int8(const ProblemInt8& p, Pool& pool) {
-  // As run_all: ~8 tasks per thread, each at least ~64 KB of weight (here 64 K elements).
   const int64_t strips = (p.n + kStrip - 1) / kStrip;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t min_strips = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(p.k * kRowBytesInt8, 1));
-  const int64_t chunk = std::max<int64_t>(min_strips, strips / (8 * threads));
+  const int64_t chunk = strips_per_task(strips, pool.num_threads(), p.k * kRowBytesInt8);
   jaxserve::parallel_for(pool, (strips + chunk - 1) / chunk, [p, chunk, strips](int64_t i) {
     strips_int8(p, i * chunk, std::min(strips, (i + 1) * chunk));
   });
+}
+
+// The shapes both products take: x [..., K] (M rows), a weight packed in strips [ceil(N / 32), K,
+// 32], out [..., N]. Sets m, k, n, or says what is wrong, naming the product (`what`).
+ffi::Error strip_shapes(const char* what, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& out,
+                        int64_t& m, int64_t& k, int64_t& n) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const std::string name(what);
+  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != kStrip)
+    return ffi::Error::InvalidArgument(name + ": the weight must be packed in strips, [ceil(N / 32), K, 32]");
+  k = xd[xd.size() - 1];
+  n = od[od.size() - 1];
+  m = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
+  if (wd[1] != k) return ffi::Error::InvalidArgument(name + ": x and the weight disagree on K");
+  if (wd[0] != (n + kStrip - 1) / kStrip || static_cast<int64_t>(out->element_count()) != m * n)
+    return ffi::Error::InvalidArgument(name + ": the output must be [..., N] for the weight's strips");
+  return ffi::Error::Success();
+}
+
+// True when there is nothing to multiply (no rows, no columns, or K = 0: the output is zeros).
+bool nothing_to_multiply(int64_t m, int64_t k, int64_t n, uint16_t* out) {
+  if (m == 0 || n == 0) return true;
+  if (k > 0) return false;
+  std::memset(out, 0, sizeof(uint16_t) * m * n);
+  return true;
 }
 
 #endif  // JAXSERVE_BF16_DOT
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
 #if JAXSERVE_BF16_DOT
-  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
       out->element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("cpu matmul: x, the weight and the output must be bfloat16");
-  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != kStrip)
-    return ffi::Error::InvalidArgument("cpu matmul: the weight must be packed in strips, [ceil(N / 32), K, 32]");
   Problem p;
-  p.k = xd[xd.size() - 1];
-  p.n = od[od.size() - 1];
-  p.m = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) p.m *= xd[i];
-  if (wd[1] != p.k) return ffi::Error::InvalidArgument("cpu matmul: x and the weight disagree on K");
-  if (wd[0] != (p.n + kStrip - 1) / kStrip || static_cast<int64_t>(out->element_count()) != p.m * p.n)
-    return ffi::Error::InvalidArgument("cpu matmul: the output must be [..., N] for the weight's strips");
+  if (ffi::Error e = strip_shapes("cpu matmul", x, w, out, p.m, p.k, p.n); e.failure()) return e;
   p.x = static_cast<const uint16_t*>(x.untyped_data());
   p.w = static_cast<const uint16_t*>(w.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
-    std::memset(p.out, 0, sizeof(uint16_t) * p.m * p.n);
-    return ffi::Error::Success();
-  }
+  if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
   run_all(p, pool);
   return ffi::Error::Success();
 #else
@@ -389,31 +403,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                       ffi::Result<ffi::AnyBuffer> out) {
 #if JAXSERVE_BF16_DOT
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), od = out->dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::S8 ||
       scale.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument(
         "cpu int8 matmul: x and the output must be bfloat16, the weight int8 and the scales float32");
-  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != kStrip)
-    return ffi::Error::InvalidArgument("cpu int8 matmul: the weight must be packed in strips, [ceil(N / 32), K, 32]");
   ProblemInt8 p;
-  p.k = xd[xd.size() - 1];
-  p.n = od[od.size() - 1];
-  p.m = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) p.m *= xd[i];
-  if (wd[1] != p.k) return ffi::Error::InvalidArgument("cpu int8 matmul: x and the weight disagree on K");
-  if (wd[0] != (p.n + kStrip - 1) / kStrip || static_cast<int64_t>(out->element_count()) != p.m * p.n)
-    return ffi::Error::InvalidArgument("cpu int8 matmul: the output must be [..., N] for the weight's strips");
+  if (ffi::Error e = strip_shapes("cpu int8 matmul", x, w, out, p.m, p.k, p.n); e.failure()) return e;
+  const auto sd = scale.dimensions();
   if (sd.size() != 1 || sd[0] != p.n) return ffi::Error::InvalidArgument("cpu int8 matmul: the scales must be [N]");
   p.x = static_cast<const uint16_t*>(x.untyped_data());
   p.w = static_cast<const int8_t*>(w.untyped_data());
   p.scale = static_cast<const float*>(scale.untyped_data());
   p.out = static_cast<uint16_t*>(out->untyped_data());
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
-    std::memset(p.out, 0, sizeof(uint16_t) * p.m * p.n);
-    return ffi::Error::Success();
-  }
+  if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
   run_all_int8(p, pool);
   return ffi::Error::Success();
 #else

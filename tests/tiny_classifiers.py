@@ -45,8 +45,10 @@ TINY_CLASSIFIERS: dict[str, tuple[str, str, dict[str, Any]]] = {
                     {"num_labels": 2, "pad_token_id": 1, "max_position_embeddings": 82, "type_vocab_size": 1}),
     "xlm-roberta-reward": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification",
                            {"num_labels": 1, "pad_token_id": 1, "max_position_embeddings": 82, "type_vocab_size": 1}),
+    # One label: a sentence-transformers CrossEncoder's shape, what /v1/score and /v1/rerank run.
+    "bert-cross-encoder": ("BertConfig", "BertForSequenceClassification", {"num_labels": 1}),
 }
-ENCODERS = {"bert-cls", "roberta-cls", "xlm-roberta-reward"}
+ENCODERS = {"bert-cls", "roberta-cls", "xlm-roberta-reward", "bert-cross-encoder"}
 
 
 class Qwen2RewardReference(torch.nn.Module):
@@ -117,14 +119,20 @@ def edit_config(directory: Path, **changes: Any) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def hf_logits(model: torch.nn.Module, inputs: list[list[int]], pad_id: int) -> torch.Tensor:
-    """The reference forward over a right-padded batch with an attention mask, as HF users run it."""
+def padded_batch(inputs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-padded with pad_id into one batch, and its attention mask."""
     width = max(map(len, inputs))
     ids = torch.full((len(inputs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(inputs), width), dtype=torch.long)
     for i, x in enumerate(inputs):
         ids[i, : len(x)] = torch.tensor(x)
         mask[i, : len(x)] = 1
+    return ids, mask
+
+
+def hf_logits(model: torch.nn.Module, inputs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """The reference forward over a right-padded batch with an attention mask, as HF users run it."""
+    ids, mask = padded_batch(inputs, pad_id)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).logits.float()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import transformers
-from tiny_classifiers import _ENCODER_BASE, randomize
+from tiny_classifiers import _ENCODER_BASE, padded_batch, randomize
 from tiny_models import _BASE, TINY_CONFIGS
 
 # name -> (HF config class, model class, overrides)
@@ -58,12 +58,7 @@ def make_tiny_embedder(name: str, directory: Path, pooling: str | None, normaliz
 def reference_embeddings(model: torch.nn.Module, inputs: list[list[int]], pooling: str, normalize: bool,
                          pad_id: int = 0) -> torch.Tensor:
     """sentence-transformers' embeddings of token-id inputs, batched right-padded with a mask."""
-    width = max(map(len, inputs))
-    ids = torch.full((len(inputs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(inputs), width), dtype=torch.long)
-    for i, x in enumerate(inputs):
-        ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
+    ids, mask = padded_batch(inputs, pad_id)
     body = model.model if isinstance(model, transformers.Qwen3ForCausalLM) else model
     with torch.no_grad():
         hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state.float()
@@ -76,13 +71,3 @@ def reference_embeddings(model: torch.nn.Module, inputs: list[list[int]], poolin
         out = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
     return torch.nn.functional.normalize(out, p=2, dim=1) if normalize else out
 
-
-def make_tiny_cross_encoder(directory: Path, seed: int = 1) -> torch.nn.Module:
-    """A one-label BertForSequenceClassification (a sentence-transformers CrossEncoder's shape)."""
-    config = transformers.BertConfig(**_ENCODER_BASE, num_labels=1)
-    config.architectures = ["BertForSequenceClassification"]
-    torch.manual_seed(seed)
-    model = randomize(transformers.BertForSequenceClassification._from_config(config, attn_implementation="eager")
-                      .float().eval())
-    model.save_pretrained(directory, safe_serialization=True)
-    return model

@@ -74,6 +74,22 @@ class EmbedderConfig(OnABody):
     def is_matryoshka(self) -> bool:
         return self.matryoshka_dimensions != ()
 
+    def dimensions_problem(self, dimensions: int | None) -> str | None:
+        """Why a request may not cut this model's vectors to `dimensions` (None: it may, or asks
+        for the whole vector); the server answers it as a 400, LLM.embed as a ValueError."""
+        if dimensions is None:
+            return None
+        if not self.is_matryoshka:
+            return (f"model {self.architecture} does not support Matryoshka embeddings (its config.json declares "
+                    f"neither matryoshka_dimensions nor is_matryoshka); omit dimensions for its "
+                    f"{self.dimensions}-value vectors")
+        allowed = self.matryoshka_dimensions
+        if allowed and dimensions not in allowed:
+            return f"must be one of {list(allowed)} (the model's Matryoshka sizes), got {dimensions}"
+        if not 1 <= dimensions <= self.dimensions:
+            return f"must be in [1, {self.dimensions}], got {dimensions}"
+        return None
+
 
 def read_sentence_transformers(directory: Path) -> SentenceTransformersConfig | None:
     """The pooling, normalisation and input limit of a sentence-transformers directory; None when

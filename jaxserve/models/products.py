@@ -110,10 +110,7 @@ def linear(x: Array, w: Weight) -> Array:
 
         return cpu_matmul.matmul_int8(x, w.value, w.scale, w.n)
     if isinstance(w, Int8Weight):
-        # The int8 -> activation-dtype convert feeds the dot (XLA fuses it into the operand read);
-        # the scale multiplies the float32 result, once per output.
-        out = jnp.einsum("...k,kn->...n", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (out * w.scale).astype(x.dtype)
+        return _int8_dot("...k,kn->...n", x, w)
     return x @ w
 
 
@@ -122,9 +119,15 @@ def head(x: Array, w: Weight) -> Array:
     if isinstance(w, (CpuWeight, CpuInt8Weight)):  # packed as the [K, N] transpose (place)
         return linear(x, w)
     if isinstance(w, Int8Weight):
-        out = jnp.einsum("...h,vh->...v", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (out * w.scale).astype(x.dtype)
+        return _int8_dot("...h,vh->...v", x, w)
     return jnp.einsum("...h,vh->...v", x, w)
+
+
+def _int8_dot(spec: str, x: Array, w: Int8Weight) -> Array:
+    """x times an Int8Weight on XLA: the int8 -> activation-dtype convert feeds the dot (XLA fuses
+    it into the operand read); the scale multiplies the float32 result, once per output."""
+    out = jnp.einsum(spec, x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (out * w.scale).astype(x.dtype)
 
 
 def rows(w: Weight, ids: Array, dtype: Any = None) -> Array:
@@ -159,10 +162,10 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
         return params
 
     def wrap(path: tuple, leaf: Any) -> Any:
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # the parameter's names
-        is_head = keys == head_path
-        if not (is_head or keys[-1] == "kernel"):
+        kind = _product_weight(path, head_path)
+        if kind is None:
             return leaf
+        is_head = kind == "head"
         if backend == "cpu":
             # The head [N, K] multiplies as its transpose, so it packs as that [K, N] kernel.
             new: Any = (CpuWeight.pack(leaf, transposed=is_head) if quantization == "none"
@@ -177,6 +180,15 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
     return jax.tree_util.tree_map_with_path(wrap, params)
 
 
+def _product_weight(path: tuple, head_path: tuple[str, ...] | None) -> str | None:
+    """"head" for the LM head, "kernel" for a Linear kernel, None for a parameter that multiplies
+    nothing (norms, biases, an untied embedding)."""
+    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # the parameter's names
+    if keys == head_path:
+        return "head"
+    return "kernel" if keys[-1] == "kernel" else None
+
+
 def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization: str) -> Any:
     """`place` on the XLA backend for a tree of sharded ShapeDtypeStructs (jaxserve.plan): an int8
     weight keeps its weight's sharding, and its scales follow the output axis's."""
@@ -186,10 +198,10 @@ def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
 
     def wrap(path: tuple, leaf: Any) -> Any:
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        is_head = keys == head_path
-        if not (is_head or keys[-1] == "kernel"):
+        kind = _product_weight(path, head_path)
+        if kind is None:
             return leaf
+        is_head = kind == "head"
         axis = 0 if is_head else 1
         spec = tuple(leaf.sharding.spec) + (None,) * (2 - len(leaf.sharding.spec))
         scale_sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(spec[axis]))

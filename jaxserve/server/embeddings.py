@@ -47,23 +47,6 @@ class EmbeddingRequest(BaseModel):
 ROUTES = (("/v1/embeddings", EmbeddingRequest),)
 
 
-def check_dimensions(cfg: EmbedderConfig, dimensions: int | None) -> int | None:
-    """The requested Matryoshka size, validated; None for the full vector."""
-    if dimensions is None:
-        return None
-    if not cfg.is_matryoshka:
-        raise ApiError(400, f"dimensions: model {cfg.architecture} does not support Matryoshka embeddings (its "
-                       "config.json declares neither matryoshka_dimensions nor is_matryoshka); omit dimensions for "
-                       f"its {cfg.dimensions}-value vectors", "dimensions")
-    allowed = cfg.matryoshka_dimensions
-    if allowed and dimensions not in allowed:
-        raise ApiError(400, f"dimensions: must be one of {list(allowed)} (the model's Matryoshka sizes), got "
-                       f"{dimensions}", "dimensions")
-    if not 1 <= dimensions <= cfg.dimensions:
-        raise ApiError(400, f"dimensions: must be in [1, {cfg.dimensions}], got {dimensions}", "dimensions")
-    return dimensions
-
-
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
@@ -79,7 +62,9 @@ async def embeddings(state: ClassifyState) -> Response:
     state.model_names.check(req.model)
     cfg = state.config
     assert isinstance(cfg, EmbedderConfig)
-    dimensions = check_dimensions(cfg, req.dimensions)
+    problem = cfg.dimensions_problem(req.dimensions)
+    if problem:
+        raise ApiError(400, f"dimensions: {problem}", "dimensions")
     inputs = encode_inputs(state, req.input, "input", req.add_special_tokens, req.truncate_prompt_tokens,
                            whole_prompt=True)
     results = await state.run(request_ids(None, len(inputs), "embd"), inputs, req.priority)
@@ -88,7 +73,8 @@ async def embeddings(state: ClassifyState) -> Response:
     return jsonify({
         "id": new_id("embd"), "object": "list", "created": int(time.time()), "model": state.model_name,
         "data": [{"index": i, "object": "embedding",
-                  "embedding": encode_vector(finish_embedding(r.output, normalize, dimensions), req.encoding_format)}
+                  "embedding": encode_vector(finish_embedding(r.output, normalize, req.dimensions),
+                                             req.encoding_format)}
                  for i, r in enumerate(results)],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     })

@@ -25,7 +25,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 from quart import Quart, Response, jsonify, request
 
-from jaxserve.engine.classify_batcher import cosine, finish_embedding
+from jaxserve.engine.classify_batcher import cosine
 from jaxserve.models.classifier import ClassifierConfig
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import new_id, route
@@ -67,23 +67,28 @@ ROUTES = (("/v1/score", ScoreRequest), ("/score", ScoreRequest), ("/v1/rerank", 
           ("/rerank", RerankRequest), ("/v2/rerank", RerankRequest))
 
 
-def pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """(first, second) of every score, by vLLM's pairing rules; empty texts are refused."""
+Pair = tuple[str, str]
+
+
+def pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[Pair], list[Pair]]:
+    """(first, second) of every score, by vLLM's pairing rules, and the request's names of the two
+    texts (for errors); empty texts are refused."""
     first = [text_1] if isinstance(text_1, str) else list(text_1)
     second = [text_2] if isinstance(text_2, str) else list(text_2)
-    for name, texts in (("text_1", first), ("text_2", second)):
+    named = {}
+    for param, texts in (("text_1", first), ("text_2", second)):
         if not texts:
-            raise ApiError(400, f"{name}: must not be empty", name)
-        for i, t in enumerate(texts):
+            raise ApiError(400, f"{param}: must not be empty", param)
+        named[param] = [param if len(texts) == 1 else f"{param}[{i}]" for i in range(len(texts))]
+        for t, where in zip(texts, named[param]):
             if not t.strip():
-                where = name if len(texts) == 1 else f"{name}[{i}]"
-                raise ApiError(400, f"{where}: must not be empty or only whitespace", name)
+                raise ApiError(400, f"{where}: must not be empty or only whitespace", param)
     if len(first) == 1:
-        first = first * len(second)
+        first, named["text_1"] = first * len(second), named["text_1"] * len(second)
     if len(first) != len(second):
         raise ApiError(400, f"text_1 and text_2: {len(first)} and {len(second)} texts; give one text_1 for any "
                        "number of text_2, or lists of the same length", "text_2")
-    return list(zip(first, second))
+    return list(zip(first, second)), list(zip(named["text_1"], named["text_2"]))
 
 
 def _activate(logit: float, cfg: ClassifierConfig, activation: bool) -> float:
@@ -92,9 +97,10 @@ def _activate(logit: float, cfg: ClassifierConfig, activation: bool) -> float:
     return float(logit)
 
 
-async def cross_encoder_scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+async def cross_encoder_scores(state: ClassifyState, pair_list: list[Pair], names: list[Pair],
                                truncate: int | None, activation: bool, priority: int) -> tuple[list[float], int]:
-    """One input per pair through the one-label classifier; returns (scores, prompt tokens)."""
+    """One input per pair through the one-label classifier (an input too long is named by its
+    second text); returns (scores, prompt tokens)."""
     from jaxserve.server.classify import check_tokens, request_ids, truncation
 
     cfg = state.config
@@ -105,7 +111,7 @@ async def cross_encoder_scores(state: ClassifyState, pair_list: list[tuple[str, 
                        "probabilities", code="wrong_task")
     max_length = None if truncate is None else truncation(state, truncate)
     inputs, types = [], []
-    for (a, b), name in zip(pair_list, names):
+    for (a, b), (_, name) in zip(pair_list, names):
         ids, tt = state.tokenizer.encode_pair(a, b, max_length)
         check_tokens(state, ids, name)
         inputs.append(ids)
@@ -114,18 +120,19 @@ async def cross_encoder_scores(state: ClassifyState, pair_list: list[tuple[str, 
     return [_activate(r.output[0], cfg, activation) for r in results], sum(r.num_tokens for r in results)
 
 
-async def embedding_scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+async def embedding_scores(state: ClassifyState, pair_list: list[Pair], names: list[Pair],
                            truncate: int | None, priority: int) -> tuple[list[float], int]:
-    """Cosine similarity of each pair's embeddings; every distinct text is embedded once."""
+    """Cosine similarity of each pair's pooled vectors (normalising first would not change it);
+    every distinct text is embedded once, and an input too long is named where it first appears."""
     from jaxserve.server.classify import check_tokens, request_ids, truncation
 
-    texts = list(dict.fromkeys(t for pair in pair_list for t in pair))
+    names_of: dict[str, str] = {}
+    for pair, pair_names in zip(pair_list, names):
+        for text, name in zip(pair, pair_names):
+            names_of.setdefault(text, name)
+    texts = list(names_of)
     limit = None if truncate is None else truncation(state, truncate)
     inputs = []
-    names_of = {}
-    for (a, b), name in zip(pair_list, names):
-        names_of.setdefault(a, name.replace("text_2", "text_1").replace("documents", "query"))
-        names_of.setdefault(b, name)
     for t in texts:
         ids = state.tokenizer.encode_prompt(t)
         if limit is not None:
@@ -133,12 +140,11 @@ async def embedding_scores(state: ClassifyState, pair_list: list[tuple[str, str]
         check_tokens(state, ids, names_of[t])
         inputs.append(ids)
     results = await state.run(request_ids(None, len(inputs), "score"), inputs, priority)
-    normalize = getattr(state.config, "normalize", True)
-    vectors = {t: finish_embedding(r.output, normalize) for t, r in zip(texts, results)}
+    vectors = {t: r.output for t, r in zip(texts, results)}
     return [cosine(vectors[a], vectors[b]) for a, b in pair_list], sum(r.num_tokens for r in results)
 
 
-async def _scores(state: ClassifyState, pair_list: list[tuple[str, str]], names: list[str],
+async def _scores(state: ClassifyState, pair_list: list[Pair], names: list[Pair],
                   truncate: int | None, activation: bool, priority: int) -> tuple[list[float], int]:
     if state.task == "embed":
         return await embedding_scores(state, pair_list, names, truncate, priority)
@@ -151,8 +157,7 @@ async def score(state: ClassifyState) -> Response:
 
     req = parse(ScoreRequest, await request.get_data(cache=False), "text_2", "a string or a list of strings")
     state.model_names.check(req.model)
-    pair_list = pairs(req.text_1, req.text_2)
-    names = ["text_2" if len(pair_list) == 1 else f"text_2[{i}]" for i in range(len(pair_list))]
+    pair_list, names = pairs(req.text_1, req.text_2)
     scores, num_tokens = await _scores(state, pair_list, names, req.truncate_prompt_tokens, req.activation,
                                        req.priority)
     return jsonify({
@@ -179,8 +184,8 @@ async def rerank(state: ClassifyState) -> Response:
         if not d.strip():
             raise ApiError(400, f"documents[{i}]: must not be empty or only whitespace", "documents")
     scores, num_tokens = await _scores(state, [(req.query, d) for d in docs],
-                                       [f"documents[{i}]" for i in range(len(docs))], req.truncate_prompt_tokens,
-                                       req.activation, req.priority)
+                                       [("query", f"documents[{i}]") for i in range(len(docs))],
+                                       req.truncate_prompt_tokens, req.activation, req.priority)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])
     if req.top_n:
         order = order[: req.top_n]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from tiny_classifiers import make_tiny_classifier
-from tiny_embedders import make_tiny_cross_encoder, make_tiny_embedder, reference_embeddings
+from tiny_embedders import make_tiny_embedder, reference_embeddings
 
 from jaxserve.engine.classify import ClassifyConfig, ClassifyEngine
 from jaxserve.engine.classify_batcher import cosine, finish_embedding
@@ -101,7 +101,7 @@ def test_cross_encoder_scores_pairs_with_token_types(tmp_path):
 
     from jaxserve.tokenizer import load_tokenizer
 
-    hf = make_tiny_cross_encoder(tmp_path)
+    hf = make_tiny_classifier("bert-cross-encoder", tmp_path)
     save_word_tokenizer(tmp_path, bert=True)
     tok = load_tokenizer(tmp_path)
     pairs = [("w5 w6", "w7 w8 w9"), ("w5 w6", "w40"), ("w9 w10 w11 w12", "w13 w14")]

@@ -15,8 +15,8 @@ import openai
 import pytest
 import torch
 from server.live_server import start_server
-from tiny_classifiers import save_word_tokenizer
-from tiny_embedders import make_tiny_cross_encoder, make_tiny_embedder, reference_embeddings
+from tiny_classifiers import make_tiny_classifier, save_word_tokenizer
+from tiny_embedders import make_tiny_embedder, reference_embeddings
 
 from jaxserve.cli import config_from_args, parse_args
 from jaxserve.server.classify import build_classify_server, detect_task
@@ -48,7 +48,7 @@ def embedder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-ce")
-    hf = make_tiny_cross_encoder(directory)
+    hf = make_tiny_classifier("bert-cross-encoder", directory)
     save_word_tokenizer(directory, bert=True)
     server, engine = _serve(directory, tmp_path_factory.mktemp("cache"), "--max-model-len", str(MAX_LEN))
     yield server, hf
