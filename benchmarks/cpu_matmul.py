@@ -1,6 +1,6 @@
 """The CPU's matrix products at decode shapes: XLA:CPU's dot, and the native bfloat16 kernel.
 
-    python -m benchmarks.cpu_matmul [--rows 1 2 16] [--dtypes float32 bfloat16 int8] [--repeats 5]
+    python -m benchmarks.cpu_matmul [--rows 1 2 16] [--dtypes float32 bfloat16 int8 q4 q8] [--repeats 5]
                                     [--impls xla native]
 
 For SmolLM2-135M's weight shapes (576x1536, 1536x576 and the 576x49152 head) and each dtype and
@@ -8,7 +8,10 @@ row count, times `x @ W` over 30 distinct weight matrices (so they come from mem
 30-layer step, not from cache) and prints ms per product, GB/s of weights read and GFLOP/s.
 int8 is s8 x s8 -> s32, the product a weight-and-activation int8 scheme would need. The head is
 multiplied as the model does it, by the [vocab, hidden] embedding transposed. `native` is
-`pallas_kernels.cpu_matmul` (bfloat16 only; --matmul-backend cpu), timed the same way.
+`pallas_kernels.cpu_matmul` (bfloat16 only; --matmul-backend cpu), timed the same way. q4 and q8
+are bfloat16 activations times block-quantized weights in groups of 32 (GGUF Q4_1 / Q8_0 blocks,
+--quantization auto on a GGUF; q4 is also --quantization int4): `native` is
+`pallas_kernels.cpu_qmatmul`, `xla` dequantizes into XLA's dot. GB/s counts their bytes with scales.
 
 Why it exists: at batch 1 a decode step reads every weight once, so the best ITL is the weight
 bytes over this bandwidth. On the 2-core AMD EPYC box (benchmarks/RESULTS.md) float32 reads run
@@ -46,10 +49,13 @@ def time_product(dtype: str, rows: int, k: int, n: int, repeats: int, impl: str 
     else:
         from jaxserve.models import products as model_products
 
-        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        blocks = dtype in ("q4", "q8")
+        x = jnp.asarray(rng.standard_normal((rows, k)), "bfloat16" if blocks else dtype)
         shape = (n, k) if head else (k, n)
-        ws = [jnp.asarray(rng.standard_normal(shape) * 0.02, dtype) for _ in range(count)]
-        if impl == "native":  # the weight's type picks the product; packed once, as at start-up
+        ws = [jnp.asarray(rng.standard_normal(shape) * 0.02, "float32" if blocks else dtype) for _ in range(count)]
+        if blocks:
+            ws = [_blocks(w.T if head else w, dtype, impl) for w in ws]
+        elif impl == "native":  # the weight's type picks the product; packed once, as at start-up
             ws = [model_products.CpuWeight.pack(w, transposed=head) for w in ws]
         product = model_products.head if head else model_products.linear
 
@@ -66,22 +72,38 @@ def time_product(dtype: str, rows: int, k: int, n: int, repeats: int, impl: str 
     return best * 1e3 / count
 
 
+def _blocks(kernel, dtype: str, impl: str):
+    """A [K, N] weight as the server keeps a GGUF's Q4_1 / Q8_0 blocks (groups of 32)."""
+    from jaxserve.models import products as model_products
+    from pallas_kernels import cpu_qmatmul
+
+    if dtype == "q4":
+        b = model_products.Blocks(*cpu_qmatmul.quantize_q4(kernel, 32), 4)
+    else:
+        b = model_products.Blocks(*cpu_qmatmul.quantize_q8(kernel, 32), None, 8)
+    return model_products.CpuGroupWeight.of(b) if impl == "native" else model_products.GroupWeight.of(b)
+
+
+BYTES = {"float32": 4, "bfloat16": 2, "int8": 1, "q4": 0.5 + 4 / 32, "q8": 1 + 2 / 32}  # per weight, scales included
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=["float32", "bfloat16", "int8"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=list(BYTES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--impls", nargs="+", default=["xla", "native"], choices=["xla", "native"],
                    help="native: the bfloat16 kernel of pallas_kernels/cpu_matmul.cc (skipped without AVX512-BF16)")
     args = p.parse_args()
     if min(args.rows) < 1 or args.repeats < 1:
         p.error("--rows and --repeats must be >= 1")
-    from pallas_kernels import cpu_matmul
+    from pallas_kernels import cpu_matmul, cpu_qmatmul
 
     print(f"{'dtype':9s} {'impl':6s} {'rows':>4s} {'shape':>11s} {'ms':>8s} {'GB/s':>6s} {'GFLOP/s':>8s}")
     for dtype in args.dtypes:
-        size = 4 if dtype == "float32" else 2 if dtype == "bfloat16" else 1
-        impls = [i for i in args.impls if i == "xla" or (dtype == "bfloat16" and cpu_matmul.available())]
+        size = BYTES[dtype]
+        native = {"bfloat16": cpu_matmul.available(), "q4": cpu_qmatmul.available(), "q8": cpu_qmatmul.available()}
+        impls = [i for i in args.impls if i == "xla" or native.get(dtype, False)]
         for rows in args.rows:
             for k, n in SHAPES:
                 for impl in impls:

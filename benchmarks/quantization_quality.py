@@ -1,6 +1,7 @@
 """Greedy-token agreement of a quantized model with the unquantized one (issue #18's report):
 
-    .venv/bin/python -m benchmarks.quantization_quality [--model PATH] [--quantization int8]
+    .venv/bin/python -m benchmarks.quantization_quality [--model PATH] [--quantization int8|int4|auto]
+        [--quantization-group-size 32]
         [--dtype bfloat16] [--reference-dtype float32] [--max-tokens 64] [--json OUT]
 
 Twenty fixed chat prompts, each answered greedily (temperature 0, `--max-tokens` tokens, EOS
@@ -45,12 +46,12 @@ PROMPTS = [
 ]
 
 
-def answers(model: str | None, dtype: str, quantization: str, max_tokens: int) -> list[list[int]]:
+def answers(model: str | None, dtype: str, quantization: str, max_tokens: int, group: int = 32) -> list[list[int]]:
     """Greedy token ids of every prompt's answer."""
     from jaxserve.engine.request import SamplingParams
     from jaxserve.llm import LLM
 
-    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=512)
+    llm = LLM(model, dtype=dtype, quantization=quantization, quantization_group_size=group, max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     llm.close()
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the packaged SmolLM2")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default="int8", choices=["none", "int8"])
+    p.add_argument("--quantization", default="int8", choices=["auto", "none", "int8", "int4"],
+                   help="auto on a GGUF keeps its blocks (the server's default for the packaged SmolLM2)")
+    p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128])
     p.add_argument("--reference-dtype", default=None, help="the unquantized reference's dtype (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the report here")
@@ -87,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     reference_dtype = args.reference_dtype or args.dtype
     base = answers(args.model, reference_dtype, "none", args.max_tokens)
     gc.collect()  # one engine's KV cache at a time
-    other = answers(args.model, args.dtype, args.quantization, args.max_tokens)
+    other = answers(args.model, args.dtype, args.quantization, args.max_tokens, args.quantization_group_size)
     report = {"model": args.model or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype,
-              "reference_dtype": reference_dtype, "quantization": args.quantization, "max_tokens": args.max_tokens,
+              "reference_dtype": reference_dtype, "quantization": args.quantization,
+              "group_size": args.quantization_group_size, "max_tokens": args.max_tokens,
               **compare(base, other)}
     print(f"{args.dtype} {args.quantization} vs {reference_dtype} none, {len(PROMPTS)} prompts x {args.max_tokens} greedy "
           f"tokens: {report['identical']}/{report['prompts']} answers identical, mean common prefix "

@@ -32,7 +32,8 @@ class ModelConfig:
     served_model_aliases: tuple[str, ...] = ()  # more names requests may send (--served-model-name A B ...)
     accept_any_model_name: bool = False  # any requested name is the served model
     hf_overrides: dict[str, Any] | None = None  # keys replacing the checkpoint's config.json (--hf-overrides)
-    quantization: str = "auto"  # auto | none | int8 (jaxserve.models.products; auto: none for now)
+    quantization: str = "auto"  # auto | none | int8 | int4 (jaxserve.models.products; auto: a GGUF's own blocks)
+    quantization_group_size: int = 32  # int4's rows per group (32 | 64 | 128)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -116,6 +116,7 @@ class LLM:
         task: str = "auto",
         hf_overrides: dict[str, Any] | None = None,
         quantization: str = "auto",
+        quantization_group_size: int = 32,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -123,8 +124,9 @@ class LLM:
         empty text, as in vLLM. task: "generate", "classify" (a sequence-classification or reward
         checkpoint, for `classify`), "embed" (an embedding model, for `embed`), or "auto" (the
         checkpoint decides, as --task auto does). hf_overrides: keys replacing the checkpoint's
-        config.json, as --hf-overrides. quantization: "int8" quantizes a generation model's
-        weights per output channel, as --quantization."""
+        config.json, as --hf-overrides. quantization: "int8" or "int4" (in groups of
+        quantization_group_size rows) quantizes a generation model's weights, "none" dequantizes a
+        GGUF, "auto" keeps the checkpoint's precision, as --quantization."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -136,7 +138,7 @@ class LLM:
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
                               cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,
-                              quantization=quantization,
+                              quantization=quantization, quantization_group_size=quantization_group_size,
                               prompt_special_tokens=prompt_special_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),

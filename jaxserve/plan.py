@@ -128,11 +128,13 @@ def abstract_params(cfg: Any, dtype: Any, mesh: Any) -> tuple[Any, Any]:
 
 
 def per_chip_bytes(tree: Any) -> int:
-    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs."""
+    """Bytes one chip holds of a tree of sharded ShapeDtypeStructs (4-bit types at half a byte,
+    as TPUs pack them)."""
     import jax
     import numpy as np
 
     return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+               // (2 if np.dtype(a.dtype).name in ("int4", "uint4") else 1)
                for a in jax.tree_util.tree_leaves(tree))
 
 
@@ -147,7 +149,8 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     serving_compile=False compiles the decode steps only once, for the byte count (their memory
     figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms).
     quantization: the weights' form, as --quantization (int8: one byte per weight, and a scale
-    per output channel)."""
+    per output channel; int4: half a byte, and a float16 scale and minimum per group of 32 rows,
+    the head int8)."""
     import jax
     import jax.numpy as jnp
 
@@ -314,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x2, v6e:2x4 (jax topology names)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="chips to shard the model over")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="the weights' form, as the server's --quantization (int8: a byte per weight)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="the weights' form, as the server's --quantization (int8: a byte per weight; int4: half a "
+                   "byte plus float16 scales and minima per group of 32 rows, the head int8)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (as python -m jaxserve)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")

@@ -61,14 +61,16 @@ def resolve_max_model_len(requested: int | None, limit: int,
 
 
 def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True,
-         skip_tokenizer_init: bool = False) -> LoadedServing:
+         skip_tokenizer_init: bool = False, keep_blocks: bool = False) -> LoadedServing:
     """Load weights (sharded over a mesh of `tensor_parallel_size` local devices; with
     sharded=False, at size 1, plainly on one device) and the tokenizer (none with
-    skip_tokenizer_init: the checkpoint then needs no tokenizer files)."""
+    skip_tokenizer_init: the checkpoint then needs no tokenizer files). keep_blocks: a GGUF's
+    blocks are kept (loaded.blocks), or refused when no product reads their type."""
     start = time.perf_counter()
     mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
                         load_format=cfg.load_format, hf_overrides=cfg.hf_overrides,
+                        keep_blocks=keep_blocks,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
     tokenizer = None
@@ -126,27 +128,36 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     start = time.perf_counter()
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
-    ready = load(config.model, config.parallel.tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init)
+    tp = config.parallel.tensor_parallel_size
+    keep_blocks = config.model.quantization == "auto" and products.keeps_gguf_blocks(
+        config.matmul_backend, config.model.dtype, tp)
+    ready = load(config.model, tp, skip_tokenizer_init=skip_tokenizer_init, keep_blocks=keep_blocks)
     log.info("model: %s", ready.summary())
     max_model_len = ready.max_model_len
     if config.model.max_model_len is None and default_max_model_len is not None:
         max_model_len = min(max_model_len, default_max_model_len)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_model_len,
                                     decode_steps=resolve_decode_steps(config.decode_steps))
-    tp = config.parallel.tensor_parallel_size
     attention_backend = resolve_backend(config.attention_backend, tensor_parallel=tp)
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
-    quantization = products.resolve_quantization(config.model.quantization)
-    log.info("products: %s%s", products.describe_backend(matmul_backend),
-             ", weights quantized to int8 per output channel" if quantization == "int8" else "")
+    blocks = ready.loaded.blocks
+    quantization = products.resolve_quantization(config.model.quantization, gguf_blocks=blocks is not None)
+    group = config.model.quantization_group_size
+    if config.model.quantization == "auto" and ready.loaded.source.kind == "gguf" and blocks is None:
+        log.info("--quantization auto: the GGUF's weights run dequantized to %s (its blocks are kept only where "
+                 "the native CPU kernel reads them)", jnp.dtype(ready.loaded.dtype).name)
+    if quantization == "int4" and matmul_backend != "cpu":
+        log.warning("--quantization int4 on XLA's dot dequantizes every weight in every step: it saves memory, "
+                    "not time (only the native CPU kernel reads 4-bit weights fast so far)")
+    log.info("products: %s%s", products.describe_backend(matmul_backend), products.describe_quantization(quantization, group))
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
-                                 quantization=quantization)
+                                 quantization=quantization, quantization_group=group)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
-                          eos_ids=ready.generation_eos_ids)
+                          eos_ids=ready.generation_eos_ids, blocks=blocks)
     loaded = time.perf_counter()
     compile_engine(engine)
     done = time.perf_counter()

@@ -325,13 +325,7 @@ void strips_int8(const ProblemInt8& p, int64_t s0, int64_t s1) {
   const int64_t strips = (p.n + kStrip - 1) / kStrip;
   const int64_t passes = (p.m + kRowsPerPass - 1) / kRowsPerPass;
   const int64_t rows = (p.m + passes - 1) / passes;
-  __m512bh* keep = nullptr;
-  if (passes > 1) {
-    thread_local std::vector<char> scratch;  // kept for the thread's life; grows to the largest K
-    const size_t need = sizeof(__m512bh) * (p.k + 1) + 64;
-    if (scratch.size() < need) scratch.resize(need);
-    keep = reinterpret_cast<__m512bh*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  }
+  __m512bh* keep = passes > 1 ? jaxserve::kept_pairs(p.k) : nullptr;
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t n0 = s * kStrip;
     const int64_t last_row = (strips - s) * p.k - 2;  // the weight's last row pair, from this strip

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native
-from pallas_kernels.native import BuildError
 
 log = logging.getLogger("jaxserve.kernels")
 
@@ -58,14 +57,7 @@ def ensure_built() -> bool:
 @functools.cache
 def available() -> bool:
     """Whether the kernel builds, loads and has its instructions here (logs why not, once)."""
-    try:
-        ok = _register()
-    except BuildError as e:
-        log.warning("native CPU products unavailable, using XLA's dot: %s", e)
-        return False
-    if not ok:
-        log.info("native CPU products need AVX512-BF16, which this CPU lacks; using XLA's dot")
-    return ok
+    return native.usable(_register, "native CPU products", "using XLA's dot")
 
 
 def pack(w: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -57,6 +58,16 @@ inline __m512 pairs_first_half(__m512 lo, __m512 hi) {
 }
 inline __m512 pairs_second_half(__m512 lo, __m512 hi) {
   return _mm512_permutex2var_ps(lo, _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8), hi);
+}
+
+// This thread's room for a strip's converted weight pairs (2 zmm per row pair of a K-row strip),
+// 64-byte aligned: the quantized products' first pass over a strip keeps them for the next passes.
+// Kept for the thread's life, grown to the largest K seen.
+inline __m512bh* kept_pairs(int64_t k) {
+  thread_local std::vector<char> scratch;
+  const size_t need = sizeof(__m512bh) * (k + 1) + 64;
+  if (scratch.size() < need) scratch.resize(need);
+  return reinterpret_cast<__m512bh*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 #endif
 

@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -83,6 +84,19 @@ def _build(source: Path) -> Path:
 
 
 @functools.cache
+def usable(register: Callable[[], bool], what: str, fallback: str) -> bool:
+    """Whether a kernel's `register` (build, load, register with XLA; False when the CPU lacks the
+    instructions) succeeds, logging why not: `what` is the kernel, `fallback` what runs instead."""
+    try:
+        ok = register()
+    except BuildError as e:
+        log.warning("%s unavailable, %s: %s", what, fallback, e)
+        return False
+    if not ok:
+        log.info("%s need AVX512-BF16, which this CPU lacks; %s", what, fallback)
+    return ok
+
+
 def load(source: Path) -> ctypes.CDLL:
     """Build (or find) `source` and load it, once per process; raises BuildError."""
     path = build(source)

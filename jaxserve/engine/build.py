@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from typing import Any, Callable
 from pathlib import Path
 
 import jax
@@ -40,7 +41,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     attention_backend: str = "reference"  # reference | pallas_gpu | pallas_tpu | cpu (auto resolved by the caller)
     matmul_backend: str = "xla"  # xla | cpu (auto resolved by the caller: jaxserve.models.products)
-    quantization: str = "none"  # none | int8: the weights' form in the steps (jaxserve.models.products)
+    quantization: str = "none"  # none | int8 | int4 | gguf: the weights' form in the steps (jaxserve.models.products)
+    quantization_group: int = 32  # int4's rows per group
     max_n: int = 128  # most samples (n / best_of) per request
     # Start step N+1 before turning step N's tokens into text (see Engine.step); False runs each
     # step to the end before the next starts (same tokens and text, for measuring the overlap).
@@ -57,13 +59,15 @@ def enable_compilation_cache(directory: Path) -> None:
 
 
 def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
-                 compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = ()) -> Engine:
+                 compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = (),
+                 blocks: Callable[[tuple], Any] | None = None) -> Engine:
     """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
     call `compile_engine`). take_weights: the engine may free `decoder`'s weight buffers where it
     keeps them in another layout (the CPU kernel's), so start-up never holds two copies of the
     model; `decoder` is unusable afterwards (the engine's own weights are runner.params).
     tokenizer None: token ids in and out, no text (LLM(skip_tokenizer_init=True)). Sequences end
-    at config.json's EOS ids, the tokenizer's, and `eos_ids` (generation_config.json's)."""
+    at config.json's EOS ids, the tokenizer's, and `eos_ids` (generation_config.json's). blocks:
+    the checkpoint's stored blocks for quantization "gguf" (jaxserve.weights.loader.stored_blocks)."""
     cfg = decoder.cfg
     sched = config.scheduler
     if sched.max_model_len > cfg.max_position_embeddings:
@@ -74,9 +78,9 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     builder = _input_builder(decoder, config, eos_ids)
     reserve = 0
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
-        reserve = step_scratch_bytes(decoder, config)
+        reserve = step_scratch_bytes(decoder, config, blocks)
     num_pages = _num_pages(decoder, config, reserve)
-    runner = _runner(decoder, config, num_pages, take_weights)
+    runner = _runner(decoder, config, num_pages, take_weights, blocks)
     if jax.process_count() > 1:
         # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
         runner.channel = StepChannel(builder.keys(), builder.abstract)
@@ -104,12 +108,14 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         row_params=lambda seq: row_params(seq, eos_ids))
 
 
-def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights: bool = False) -> ModelRunner:
+def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights: bool = False,
+            blocks: Callable[[tuple], Any] | None = None) -> ModelRunner:
     sched = config.scheduler
     return ModelRunner(decoder, num_pages, config.cache.page_size,
                        math.ceil(sched.max_model_len / config.cache.page_size), sched.max_num_seqs + 1,
                        attention_backend=config.attention_backend, matmul_backend=config.matmul_backend,
-                       quantization=config.quantization, decode_steps=sched.decode_steps, take_weights=take_weights)
+                       quantization=config.quantization, quantization_group=config.quantization_group, blocks=blocks,
+                       decode_steps=sched.decode_steps, take_weights=take_weights)
 
 
 def compile_engine(engine: Engine) -> float:
@@ -138,13 +144,13 @@ def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int) -> in
     return num_pages
 
 
-def step_scratch_bytes(decoder: Decoder, config: EngineConfig) -> int:
+def step_scratch_bytes(decoder: Decoder, config: EngineConfig, blocks: Callable[[tuple], Any] | None = None) -> int:
     """The most scratch (temp) memory one step needs, read from XLA's memory analysis of the
     largest prefill and decode steps compiled against a tiny cache, plus headroom. The KV cache is
     sized from what is left, so a step can never run out of memory mid-serving (vLLM profiles a
     forward pass for the same reason)."""
     builder = _input_builder(decoder, config)
-    probe = _runner(decoder, config, builder.max_pages_per_seq + 1)
+    probe = _runner(decoder, config, builder.max_pages_per_seq + 1, blocks=blocks)
     start = time.perf_counter()
     probe.compile(largest_steps(builder.keys()), builder.abstract)
     scratch = max(c.memory_analysis().temp_size_in_bytes for c in probe.compiled_steps.values())

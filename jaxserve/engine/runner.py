@@ -46,6 +46,8 @@ class ModelRunner:
         attention_backend: str = "reference",
         matmul_backend: str = "xla",
         quantization: str = "none",
+        quantization_group: int = 32,
+        blocks: Callable[[tuple], Any] | None = None,
         decode_steps: int = 1,
         take_weights: bool = False,
     ):
@@ -55,7 +57,7 @@ class ModelRunner:
         self.graphdef, params = nnx.split(decoder)
         # The weights' types pick their products (jaxserve.models.products).
         self.params = products.place(params, matmul_backend, decoder.head_path, quantization=quantization,
-                                     consume=take_weights)
+                                     group=quantization_group, blocks=blocks, consume=take_weights)
         self.max_pages_per_seq = max_pages_per_seq
         self.num_slots = num_slots
         cpu = jax.devices()[0].platform == "cpu"

@@ -15,17 +15,35 @@ structure and nothing is read from a trace-time setting.
                            feeds the dot, so a step reads one byte per weight
   CpuInt8Weight            --quantization int8 with the native kernel: the int8 values packed in
                            strips as CpuWeight's, and the scales
+  GroupWeight              block-quantized (groups of G rows along K, each with a float16 scale
+                           and, for 4-bit values, a float16 minimum) on XLA: --quantization int4,
+                           and a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as they are
+  CpuGroupWeight           the same with the native kernel (`pallas_kernels.cpu_qmatmul`), the
+                           values and scales packed in strips
 
 Quantization rule (int8): every Linear kernel, and the LM head (the embedding when tied), per
 output channel (a kernel's column, a head's vocabulary row), symmetric, scale = max |w| / 127. An
 embedding table that is not the head stays in the model's dtype: a step looks up a few of its
 rows, so its bytes do not count; a tied one is looked up from the int8 head, dequantized.
+
+Quantization rule (int4): every Linear kernel to 4-bit values in groups of `group` rows (32, 64 or
+128) along K, asymmetric (w ~= q * d + mn, q in 0..15, d and mn float16 per group and column);
+the LM head as int8 (per output channel, as above): the head is the product most sensitive to its
+weights' precision, and llama.cpp's 4-bit files keep it at 8 (Q8_0) or 6 bits for the same reason.
+
+GGUF blocks ("gguf", what --quantization auto does with a GGUF file): each Linear kernel and the
+head take the file's own blocks where a kernel reads that format (Q4_0 and Q4_1 as 4-bit groups of
+32, Q4_0's minimum being -8 d; Q8_0 as 8-bit groups of 32; Q4_K as 4-bit groups of 32 and Q6_K as
+8-bit groups of 16, both with float32 scales), losslessly; float tensors stay float.
+Any other block type is refused by the loader (jaxserve.weights.gguf_file.kept_blocks).
+
 `place(params, backend, quantization=...)` gives the weights of a parameter tree their type.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,7 +53,8 @@ from flax import struct
 Array = jax.Array
 
 BACKENDS = ("xla", "cpu")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+GROUP_SIZES = (32, 64, 128)  # --quantization-group-size: int4's rows per group
 
 
 @struct.dataclass
@@ -81,7 +100,76 @@ class CpuInt8Weight:
         return cls(_pack(q, False), scale, int(q.shape[1]))
 
 
-Weight = Array | CpuWeight | Int8Weight | CpuInt8Weight
+@struct.dataclass
+class Blocks:
+    """A weight [K, N] in groups of G rows along K on the host, as a checkpoint or `quantize`
+    gives it: values q [K, N] (uint8 0..15 for 4 bits, int8 for 8), scales d [K / G, N] float16
+    (float32 for GGUF K-quants), minima mn [K / G, N] likewise for 4 bits (None for 8: symmetric).
+    Not a step's weight:
+    `GroupWeight.of` / `CpuGroupWeight.of` place it."""
+
+    q: Any
+    d: Any
+    mn: Any
+    bits: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def quantize_int4(cls, kernel: Array, group: int) -> Blocks:
+        q, d, mn = _quantize_q4(kernel, group)
+        return cls(q, d, mn, 4)
+
+
+@struct.dataclass
+class GroupWeight:
+    """Blocks on XLA: the values as uint4 (4 bits) or int8, the [K, N] orientation also for a head
+    (whose weight is [N, K]: it is stored transposed)."""
+
+    q: Array  # [K, N] uint4 | int8
+    d: Array  # [K / G, N] float16 | float32
+    mn: Array | None  # [K / G, N] as d, 4 bits only
+
+    @classmethod
+    def of(cls, b: Blocks, sharding: Any = None) -> GroupWeight:
+        """`b` on the devices of `sharding` (the [K, N] weight's; the scales follow it)."""
+        def put(a: Any, dtype: Any) -> Array:
+            a = jnp.asarray(a).astype(dtype)
+            return a if sharding is None else jax.device_put(a, sharding)
+
+        scale = jnp.float32 if jnp.asarray(b.d).dtype == jnp.float32 else jnp.float16
+        return cls(put(b.q, jnp.uint4 if b.bits == 4 else jnp.int8), put(b.d, scale),
+                   None if b.mn is None else put(b.mn, scale))
+
+
+@struct.dataclass
+class CpuGroupWeight:
+    """Blocks packed for the native kernel: `cpu_qmatmul.pack_q4` / `pack_q8` and `pack_scales`."""
+
+    value: Array  # [ceil(N / 32), K / 2, 32] uint8 (4 bits) | [ceil(N / 32), K, 32] int8
+    scales: Array  # [ceil(N / 32), K / G, R, 32] float16 | float32
+    n: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, b: Blocks) -> CpuGroupWeight:
+        value, scales = _pack_blocks(jnp.asarray(b.q), jnp.asarray(b.d), None if b.mn is None else jnp.asarray(b.mn))
+        return cls(value, scales, int(b.q.shape[1]))
+
+
+Weight = Array | CpuWeight | Int8Weight | CpuInt8Weight | GroupWeight | CpuGroupWeight
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_q4(kernel: Array, group: int) -> tuple[Array, Array, Array]:
+    from pallas_kernels import cpu_qmatmul
+
+    return cpu_qmatmul.quantize_q4(kernel, group)
+
+
+@jax.jit
+def _pack_blocks(q: Array, d: Array, mn: Array | None) -> tuple[Array, Array]:
+    from pallas_kernels import cpu_qmatmul
+
+    value = cpu_qmatmul.pack_q8(q) if mn is None else cpu_qmatmul.pack_q4(q)
+    return value, cpu_qmatmul.pack_scales(d, mn)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -111,12 +199,36 @@ def linear(x: Array, w: Weight) -> Array:
         return cpu_matmul.matmul_int8(x, w.value, w.scale, w.n)
     if isinstance(w, Int8Weight):
         return _int8_dot("...k,kn->...n", x, w)
+    if isinstance(w, CpuGroupWeight):
+        from pallas_kernels import cpu_qmatmul
+
+        if w.value.dtype == jnp.uint8:
+            return cpu_qmatmul.matmul_q4(x, w.value, w.scales, w.n)
+        return cpu_qmatmul.matmul_q8(x, w.value, w.scales, w.n)
+    if isinstance(w, GroupWeight):
+        return _group_dot(x, w)
     return x @ w
+
+
+def _group_dot(x: Array, w: GroupWeight) -> Array:
+    """x times a GroupWeight on XLA. The weight is dequantized in x's dtype as [groups, G, N], with
+    no reshape between the elementwise dequantization and the dot that contracts both of its first
+    axes, so XLA can fuse the dequantization into the dot's operand read (a reshape to [K, N] in
+    between kept the TPU compiler from it: the dequantized weight was written out, ~7x the bytes of
+    the 4-bit step); float32 sums, one rounding."""
+    groups = w.d.shape[0]
+    k, n = w.q.shape
+    q = w.q.reshape(groups, k // groups, n)
+    weight = q.astype(x.dtype) * w.d.astype(x.dtype)[:, None]
+    if w.mn is not None:
+        weight = weight + w.mn.astype(x.dtype)[:, None]
+    xg = x.reshape(*x.shape[:-1], groups, k // groups)
+    return jnp.einsum("...gk,gkn->...n", xg, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def head(x: Array, w: Weight) -> Array:
     """x [..., K] @ w.T for w [N, K] (HF's head / embedding orientation) -> [..., N]."""
-    if isinstance(w, (CpuWeight, CpuInt8Weight)):  # packed as the [K, N] transpose (place)
+    if isinstance(w, (CpuWeight, CpuInt8Weight, CpuGroupWeight, GroupWeight)):  # as the [K, N] transpose (place)
         return linear(x, w)
     if isinstance(w, Int8Weight):
         return _int8_dot("...h,vh->...v", x, w)
@@ -144,20 +256,49 @@ def rows(w: Weight, ids: Array, dtype: Any = None) -> Array:
         return (q.astype(jnp.float32) * w.scale[ids][..., None]).astype(dtype)
     if isinstance(w, Int8Weight):
         return (jnp.take(w.q, ids, axis=0).astype(jnp.float32) * w.scale[ids][..., None]).astype(dtype)
+    if isinstance(w, CpuGroupWeight):
+        from pallas_kernels import cpu_qmatmul
+
+        if w.value.dtype == jnp.uint8:
+            q = cpu_qmatmul.row_values_q4(w.value, ids)
+        else:
+            q = w.value[ids // cpu_qmatmul.STRIP, :, ids % cpu_qmatmul.STRIP]
+        d, mn = cpu_qmatmul.row_scales(w.scales, ids)
+        return _dequantized_rows(q, d, mn).astype(dtype)
+    if isinstance(w, GroupWeight):  # [K, N]: row i of the head is column i
+        q = jnp.take(w.q, ids, axis=1)  # [K, ...]
+        q = jnp.moveaxis(q, 0, -1)
+        d = jnp.moveaxis(jnp.take(w.d, ids, axis=1), 0, -1)
+        mn = None if w.mn is None else jnp.moveaxis(jnp.take(w.mn, ids, axis=1), 0, -1)
+        return _dequantized_rows(q, d, mn).astype(dtype)
     return jnp.take(w, ids, axis=0)
 
 
+def _dequantized_rows(q: Array, d: Array, mn: Array | None) -> Array:
+    """Rows q [..., K] with group scales d (and minima mn) [..., K / G] -> float32 [..., K]."""
+    groups = d.shape[-1]
+    g = q.astype(jnp.float32).reshape(*q.shape[:-1], groups, -1) * d.astype(jnp.float32)[..., None]
+    if mn is not None:
+        g = g + mn.astype(jnp.float32)[..., None]
+    return g.reshape(q.shape)
+
+
 def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *, quantization: str = "none",
-          consume: bool = False) -> Any:
+          group: int = 32, blocks: Callable[[tuple], Blocks | None] | None = None, consume: bool = False) -> Any:
     """`params` (an nnx.State) with every Linear kernel (and the LM head at `head_path`: the
     embedding when it is tied) typed for `backend` and `quantization`. The "cpu" backend repacks
-    the Linear kernels; int8 quantizes them (the module doc's rule). With `consume` each original
-    buffer is freed as soon as its new form exists, so start-up holds one extra weight at a time,
-    not a second model (the caller's arrays are then gone)."""
+    the Linear kernels; int8 and int4 (in groups of `group` rows) quantize them, and "gguf" takes
+    each one's stored blocks from `blocks` (a parameter path such as ("layers", 0, "mlp",
+    "down_proj", "kernel") -> its Blocks in the [K, N] orientation, None for a float tensor), by the
+    module doc's rules. With `consume` each original buffer is freed as soon as its new form
+    exists, so start-up holds one extra weight at a time, not a second model (the caller's arrays
+    are then gone)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown matmul backend {backend!r}; expected one of {BACKENDS}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
+    if quantization == "gguf" and blocks is None:
+        raise ValueError("quantization gguf needs the checkpoint's blocks")
     if backend == "xla" and quantization == "none":
         return params
 
@@ -166,13 +307,24 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
         if kind is None:
             return leaf
         is_head = kind == "head"
-        if backend == "cpu":
-            # The head [N, K] multiplies as its transpose, so it packs as that [K, N] kernel.
-            new: Any = (CpuWeight.pack(leaf, transposed=is_head) if quantization == "none"
-                        else CpuInt8Weight.quantize(leaf, transposed=is_head))
+        stored = None
+        if quantization == "gguf":
+            stored = blocks(_keys(path))  # type: ignore[misc]
+        elif quantization == "int4" and not is_head:
+            if leaf.shape[0] % group:
+                raise ValueError(f"--quantization int4: {'.'.join(map(str, _keys(path)))} has {leaf.shape[0]} input "
+                                 f"features, not a whole number of groups of {group} (--quantization-group-size)")
+            stored = Blocks.quantize_int4(leaf, group)
+        if stored is not None:
+            new: Any = CpuGroupWeight.of(stored) if backend == "cpu" else GroupWeight.of(stored, _kn_sharding(leaf, is_head))
         else:
-            new = Int8Weight.quantize(leaf, head=is_head)
-        if consume:
+            int8 = quantization == "int8" or (quantization == "int4" and is_head)
+            if backend == "cpu":
+                # The head [N, K] multiplies as its transpose, so it packs as that [K, N] kernel.
+                new = CpuInt8Weight.quantize(leaf, transposed=is_head) if int8 else CpuWeight.pack(leaf, transposed=is_head)
+            else:
+                new = Int8Weight.quantize(leaf, head=is_head) if int8 else leaf
+        if consume and new is not leaf and isinstance(leaf, jax.Array):  # not an abstract leaf (kept blocks)
             jax.block_until_ready(new)
             leaf.delete()
         return new
@@ -180,45 +332,87 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
     return jax.tree_util.tree_map_with_path(wrap, params)
 
 
+def _keys(path: tuple) -> tuple:
+    """A parameter's path as names and layer indices (the loader's ParamPath)."""
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _kn_sharding(leaf: Any, is_head: bool) -> Any:
+    """The sharding of a weight's [K, N] form: the kernel's own, or a head [N, K]'s transposed."""
+    sharding = leaf.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not is_head:
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[1], spec[0]))
+
+
 def _product_weight(path: tuple, head_path: tuple[str, ...] | None) -> str | None:
     """"head" for the LM head, "kernel" for a Linear kernel, None for a parameter that multiplies
     nothing (norms, biases, an untied embedding)."""
-    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # the parameter's names
+    keys = _keys(path)
     if keys == head_path:
         return "head"
     return "kernel" if keys[-1] == "kernel" else None
 
 
-def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization: str) -> Any:
+def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization: str, group: int = 32) -> Any:
     """`place` on the XLA backend for a tree of sharded ShapeDtypeStructs (jaxserve.plan): an int8
-    weight keeps its weight's sharding, and its scales follow the output axis's."""
+    weight keeps its weight's sharding, and its scales follow the output axis's; an int4 weight
+    (GroupWeight, [K, N]) keeps the kernel's sharding, its group scales and minima too."""
     if quantization == "none":
         return params
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
+    if quantization not in ("int8", "int4"):
+        raise ValueError(f"abstract_place: quantization must be none, int8 or int4, not {quantization!r}")
 
     def wrap(path: tuple, leaf: Any) -> Any:
         kind = _product_weight(path, head_path)
         if kind is None:
             return leaf
         is_head = kind == "head"
-        axis = 0 if is_head else 1
         spec = tuple(leaf.sharding.spec) + (None,) * (2 - len(leaf.sharding.spec))
-        scale_sharding = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(spec[axis]))
+        named = functools.partial(jax.sharding.NamedSharding, leaf.sharding.mesh)
+        if quantization == "int4" and not is_head:
+            k, n = leaf.shape
+            scales = jax.ShapeDtypeStruct((k // group, n), jnp.float16, sharding=leaf.sharding)
+            return GroupWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.uint4, sharding=leaf.sharding), scales, scales)
+        axis = 0 if is_head else 1
+        scale_sharding = named(jax.sharding.PartitionSpec(spec[axis]))
         return Int8Weight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8, sharding=leaf.sharding),
                           jax.ShapeDtypeStruct((leaf.shape[axis],), jnp.float32, sharding=scale_sharding), is_head)
 
     return jax.tree_util.tree_map_with_path(wrap, params)
 
 
-def resolve_quantization(name: str) -> str:
-    """--quantization: none or int8 as asked; auto is none (a GGUF's 4-bit blocks are dequantized
-    until a 4-bit kernel exists: auto never changes what the checkpoint's values are)."""
+def resolve_quantization(name: str, gguf_blocks: bool = False) -> str:
+    """--quantization: none, int8 or int4 as asked; auto keeps the checkpoint's own precision:
+    "gguf" (its blocks, kept quantized) for a GGUF file whose weights are stored in blocks
+    (`gguf_blocks`), else none. "gguf" is not a choice a user makes: it is what auto means there."""
     if name == "auto":
-        return "none"
-    if name not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of auto, {', '.join(QUANTIZATIONS)}; got {name!r}")
+        return "gguf" if gguf_blocks else "none"
+    if name not in QUANTIZATIONS or name == "gguf":
+        raise ValueError(f"--quantization must be one of auto, none, int8, int4; got {name!r}")
     return name
+
+
+def keeps_gguf_blocks(matmul_backend: str, dtype: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:
+    """Whether --quantization auto keeps a GGUF's blocks for this run: where the native CPU kernel
+    reads them (bfloat16 activations, one device, --matmul-backend auto or cpu). XLA's dot on GPUs
+    and TPUs has no fused block-dequantizing product yet (the deviceless TPU compile of Llama-3-8B
+    writes the dequantized weights out: 2.6x the bfloat16 step's bytes, benchmarks/RESULTS.md), so
+    there auto dequantizes the blocks at load, as --quantization none does."""
+    platform = platform or jax.default_backend()
+    if platform != "cpu" or tensor_parallel > 1 or matmul_backend == "xla" or dtype == "float32":
+        return False
+    from pallas_kernels import cpu_qmatmul
+
+    return cpu_qmatmul.available()
+
+
+def describe_quantization(name: str, group: int) -> str:
+    """The start-up log's words for a resolved quantization ("" for none)."""
+    return {"none": "", "int8": ", weights quantized to int8 per output channel",
+            "int4": f", Linear weights quantized to 4 bits in groups of {group} (the LM head to int8)",
+            "gguf": ", the GGUF's quantized blocks kept as they are (Q4_0/Q4_1/Q4_K 4-bit, Q6_K/Q8_0 8-bit)"}[name]
 
 
 def describe_backend(name: str) -> str:

@@ -1,7 +1,8 @@
 """GGUF files: model config and tensors from llama.cpp's format, renamed to HF's names.
 
 The gguf package reads the file (memory-mapped) and dequantizes each quant block type to float32;
-this module maps llama.cpp's metadata and tensor names onto the Hugging Face config.json keys and
+`open_blocks` instead reads the Q4_0 / Q4_1 / Q8_0 blocks that the block-quantized products
+(pallas_kernels.cpu_qmatmul, jaxserve.models.products) take as they are. This module maps llama.cpp's metadata and tensor names onto the Hugging Face config.json keys and
 tensor names, so everything after it is shared with the safetensors path. llama.cpp stores the
 q and k projections of llama-architecture models with RoPE's halves interleaved; they are permuted
 back to HF's rotate-half layout here.
@@ -9,6 +10,7 @@ back to HF's rotate-half layout here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,22 +117,128 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Block types a product reads as they are (--quantization auto on a GGUF): bits per value. Q4_0 is
+# w = (q - 8) d, Q4_1 w = q d + m, Q8_0 w = q d, in blocks of 32 along each row; the K-quants'
+# super-blocks of 256 hold sub-blocks of 32 (Q4_K: w = q d sc - dmin m) or 16 (Q6_K: w = (q - 32)
+# d sc) whose scales, exact in float32, are computed here.
+KEPT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4, "Q6_K": 8}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK = 32
+
+
+def _permuted_heads(cfg: dict[str, Any], hf: str) -> int | None:
+    """The head count whose RoPE halves llama.cpp interleaved in this tensor's rows, if any."""
+    if cfg["architectures"][0] != "LlamaForCausalLM":
+        return None
+    if hf.endswith("q_proj.weight"):
+        return cfg["num_attention_heads"]
+    if hf.endswith("k_proj.weight"):
+        return cfg["num_key_value_heads"]
+    return None
+
+
+def tensor_types(reader: Any) -> dict[str, str]:
+    """HF name -> the GGUF tensor's type name (F32, Q4_1, Q6_K, ...)."""
+    return {hf: t.tensor_type.name for t in reader.tensors if (hf := _hf_name(t.name)) is not None}
+
+
+def gguf_name(hf: str, reader: Any) -> str:
+    """The GGUF name of the tensor that holds HF tensor `hf` (for messages)."""
+    return next((t.name for t in reader.tensors if _hf_name(t.name) == hf), hf)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per entry on the last axis -> float16 values."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _q4_k(b: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, n, 144]: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs,
+    128 bytes of nibbles (each 32 bytes: 32 values of sub-block 2i in the low nibbles, 2i + 1 in
+    the high) -> 4-bit values in groups of 32 with float32 scale d sc and minimum -dmin m."""
+    d, dmin = _f16(b[..., 0:2]).astype(np.float32), _f16(b[..., 2:4]).astype(np.float32)
+    s = b[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(rows, cols)  # sub-blocks 2i, 2i + 1 of each 32 bytes
+    scale = (d[..., None] * sc).reshape(rows, -1)
+    mn = (-(dmin[..., None] * m)).reshape(rows, -1)
+    return q, scale.astype(np.float32), mn.astype(np.float32)
+
+
+def _q6_k(b: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [rows, n, 210]: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales, d (f16) -> int8 values q - 32 in groups of 16 with float32 scale d sc."""
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 64)  # per half of 128 values
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210]).astype(np.float32)
+    lo = np.concatenate([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
+    q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
+    return q, (d[..., None] * sc).reshape(rows, -1).astype(np.float32)
+
+
+def decode_blocks(data: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A KEPT_TYPES tensor's raw bytes [rows, bytes per row] -> (q [rows, cols], d [rows, groups],
+    mn [rows, groups] or None): w = q d (+ mn), q uint8 0..15 for 4 bits and int8 for 8. Lossless:
+    the values are the file's, the scales its float16 ones (float32 products of them for the
+    K-quants, whose groups are 32 values for Q4_K and 16 for Q6_K; 32 for the others)."""
+    if type_name in ("Q4_K", "Q6_K"):
+        b = np.ascontiguousarray(data).reshape(rows, cols // 256, -1)
+        return _q4_k(b, rows, cols) if type_name == "Q4_K" else (*_q6_k(b, rows, cols), None)
+    nb = cols // BLOCK
+    b = np.ascontiguousarray(data).reshape(rows, nb, -1)
+    if type_name == "Q8_0":  # d f16, 32 x int8
+        return b[..., 2:].view(np.int8).reshape(rows, cols), b[..., :2].copy().view(np.float16)[..., 0], None
+    if type_name == "Q4_1":  # d f16, m f16, 16 bytes: value j in byte j % 16, low nibble for j < 16
+        d, mn, qs = b[..., :2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0], b[..., 4:]
+    elif type_name == "Q4_0":  # d f16, 16 bytes as Q4_1's; w = (q - 8) d, so mn = -8 d (exact in float16)
+        d, qs = b[..., :2].copy().view(np.float16)[..., 0], b[..., 2:]
+        mn = (d.astype(np.float32) * -8).astype(np.float16)
+    else:
+        raise ValueError(f"no block decoder for {type_name}")
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
+    return q, d, mn
+
+
+def open_blocks(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tuple[str, Callable[[], tuple]]]:
+    """HF name -> (type name, loader of decode_blocks' (q, d, mn) in HF's [out, in] orientation,
+    RoPE rows un-interleaved as open_tensors does) for every tensor stored in KEPT_TYPES blocks."""
+    out: dict[str, tuple[str, Callable[[], tuple]]] = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None or t.tensor_type.name not in KEPT_TYPES:
+            continue
+        cols, rows = (int(n) for n in t.shape)  # ggml lists dimensions innermost first
+        block = 256 if t.tensor_type.name.endswith("_K") else BLOCK
+        if cols % block:
+            raise WeightsError(f"{path}: tensor {t.name} has rows of {cols} values, not whole blocks of {block}")
+        heads = _permuted_heads(cfg, hf)
+
+        def load(t=t, rows=rows, cols=cols, heads=heads) -> tuple:
+            q, d, mn = decode_blocks(t.data, t.tensor_type.name, rows, cols)
+            if heads:
+                q, d = _unpermute(q, heads), _unpermute(d, heads)
+                mn = None if mn is None else _unpermute(mn, heads)
+            return q, d, mn
+
+        out[hf] = (t.tensor_type.name, load)
+    return out
+
+
 def open_tensors(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
     """HF name -> (lazy dequantizing loader, shape, float32)."""
     import gguf
 
-    permute = cfg["architectures"][0] == "LlamaForCausalLM"
     out: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]] = {}
     for t in reader.tensors:
         hf = _hf_name(t.name)
         if hf is None:
             raise WeightsError(f"{path}: unexpected tensor {t.name!r}")
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first
-        heads = None
-        if permute and hf.endswith("q_proj.weight"):
-            heads = cfg["num_attention_heads"]
-        elif permute and hf.endswith("k_proj.weight"):
-            heads = cfg["num_key_value_heads"]
+        heads = _permuted_heads(cfg, hf)
 
         def load(t=t, shape=shape, heads=heads) -> np.ndarray:
             try:

@@ -9,8 +9,9 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,10 @@ from flax import nnx
 
 from jaxserve.models.config import DecoderConfig, decoder_config_from_hf
 from jaxserve.models.decoder import Decoder
+from jaxserve.models.products import Blocks
 from jaxserve.weights import orbax_cache
+from jaxserve.weights.gguf_file import FLOAT_TYPES, KEPT_TYPES
+from jaxserve.weights.safetensors_dir import WeightsError
 from jaxserve.weights.source import ModelSource, resolve
 from jaxserve.weights.tree import (
     ParamPath,
@@ -46,6 +50,9 @@ class LoadedModel:
     dtype: Any
     load_seconds: float
     from_cache: bool
+    # A GGUF's stored blocks for its product weights (stored_blocks), which the model then holds
+    # only abstractly: jaxserve.models.products.place(quantization="gguf", blocks=...) places them.
+    blocks: Callable[[ParamPath], Blocks | None] | None = None
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str, native_bf16: bool | None = None) -> Any:
@@ -106,11 +113,13 @@ def _unused(name: str) -> bool:
 
 
 def build_from_source(
-    cfg: DecoderConfig, source: ModelSource, dtype: Any, sharding: ShardingFn = single_device_sharding
+    cfg: DecoderConfig, source: ModelSource, dtype: Any, sharding: ShardingFn = single_device_sharding,
+    skip: Callable[[str], bool] = lambda name: False,
 ) -> Decoder:
+    """The decoder with every weight read from `source`, except the tensors `skip` names (abstract)."""
     graphdef, state, tree = abstract_model(cfg, dtype)
     names = tensor_names(source, leaf_paths(tree), hf_name, ignored=_unused)
-    return fill_from_source(graphdef, state, tree, source, names, dtype, sharding)
+    return fill_from_source(graphdef, state, tree, source, names, dtype, sharding, skip)
 
 
 def restore_or_build(
@@ -133,6 +142,36 @@ def restore_or_build(
     return module, False
 
 
+def stored_blocks(source: ModelSource, head_path: tuple[str, ...]) -> Callable[[ParamPath], Blocks | None] | None:
+    """What --quantization auto keeps of a GGUF: a parameter path -> the Blocks its tensor is stored
+    in ([K, N], as products.place takes them), None for a float tensor; None in place of the whole
+    callable when no product weight (Linear kernel, LM head) is stored in blocks (safetensors, or
+    a float GGUF). Raises WeightsError naming the first product weight stored in a block type that
+    no product reads, its type and the supported set: never a silent dequantize."""
+    types = source.tensor_types
+    head = hf_name(head_path)[0]
+    weights = [n for n in types if n == head or (n.startswith("model.layers.") and n.endswith("_proj.weight"))]
+    for name in weights:
+        if types[name] not in KEPT_TYPES and types[name] not in FLOAT_TYPES:
+            raise WeightsError(
+                f"{source.path}: tensor {source.stored_name(name)} is stored as {types[name]}; --quantization "
+                f"auto keeps a GGUF's blocks in {', '.join(KEPT_TYPES)} (and float {', '.join(FLOAT_TYPES)}) only. "
+                "Pass --quantization none to dequantize the model to its dtype, or int8 / int4 to requantize it")
+    if not any(types[n] in KEPT_TYPES for n in weights):
+        return None
+    blocks = source.blocks
+
+    def get(path: ParamPath) -> Blocks | None:
+        entry = blocks.get(hf_name(path)[0])
+        if entry is None:
+            return None
+        type_name, load = entry
+        q, d, mn = load()  # [N, K] as stored: rows are output channels
+        return Blocks(q.T, d.T, None if mn is None else mn.T, KEPT_TYPES[type_name])
+
+    return get
+
+
 def load_model(
     model: str | Path,
     dtype: str = "auto",
@@ -143,11 +182,16 @@ def load_model(
     sharding_for: Callable[[DecoderConfig], ShardingFn] | None = None,
     load_format: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
+    keep_blocks: bool = False,
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
     checkpoint of the converted parameters under cache_dir and later loads restore from it.
     sharding_for, when given, builds the sharding callback from the model's config (tensor
-    parallelism needs the head counts, which are only known once the checkpoint is read)."""
+    parallelism needs the head counts, which are only known once the checkpoint is read).
+    keep_blocks (--quantization auto): a GGUF whose product weights are stored in blocks that a
+    product reads (stored_blocks, which refuses other block types) is loaded without them: the
+    model holds them abstractly and LoadedModel.blocks reads them, so start-up never holds a
+    dequantized copy; the memory-mapped file is their cache (no orbax cache is written)."""
     start = time.perf_counter()
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -169,7 +213,16 @@ def load_model(
     if sharding_for is not None:
         sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
-    if dummy:
+    blocks = None
+    if keep_blocks and not dummy and source.kind == "gguf":
+        head_path = ("embed_tokens",) if cfg.tie_word_embeddings else ("lm_head",)
+        blocks = stored_blocks(source, head_path)
+    if blocks is not None:
+        kept = set(source.blocks)
+        head = hf_name(head_path)[0]
+        skip = lambda name: name in kept and (name == head or name.endswith("_proj.weight"))
+        decoder, from_cache = build_from_source(cfg, source, jdtype, sharding, skip), False
+    elif dummy:
         from jaxserve.weights.dummy import build_random
 
         decoder, from_cache = build_random(cfg, jdtype, sharding), False
@@ -181,6 +234,7 @@ def load_model(
     log.info(
         "loaded %s (%s, %s, %d layers) in %.2fs%s",
         source.path, cfg.architecture, jnp.dtype(jdtype).name, cfg.num_layers, seconds,
-        " from the orbax cache" if from_cache else " (random weights: --load-format dummy)" if dummy else "",
+        " from the orbax cache" if from_cache else " (random weights: --load-format dummy)" if dummy else
+        " (product weights kept in the file's blocks)" if blocks is not None else "",
     )
-    return LoadedModel(cfg, decoder, source, jdtype, seconds, from_cache)
+    return LoadedModel(cfg, decoder, source, jdtype, seconds, from_cache, blocks)

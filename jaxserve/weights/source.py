@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,20 @@ class ModelSource:
         if self.kind == "gguf":
             return gguf_file.open_tensors(self._reader, self.config, self.path)
         return safetensors_dir.open_tensors(self.files)
+
+    @functools.cached_property
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> stored type: a GGUF's block type (Q4_1, ...) or F32/F16/BF16; {} for safetensors."""
+        return gguf_file.tensor_types(self._reader) if self.kind == "gguf" else {}
+
+    @functools.cached_property
+    def blocks(self) -> dict[str, tuple[str, Callable[[], tuple]]]:
+        """A GGUF's tensors stored in blocks the products read as they are (gguf_file.open_blocks)."""
+        return gguf_file.open_blocks(self._reader, self.config, self.path) if self.kind == "gguf" else {}
+
+    def stored_name(self, hf: str) -> str:
+        """The file's own name for HF tensor `hf` (a GGUF's blk.0.attn_q.weight), for messages."""
+        return gguf_file.gguf_name(hf, self._reader) if self.kind == "gguf" else hf
 
     @property
     def tokenizer_dir(self) -> Path:

@@ -98,9 +98,16 @@ def array_from_tensor(source: ModelSource, name: str, transposed: bool, spec: An
 
 
 def fill_from_source(graphdef: nnx.GraphDef, state: nnx.State, tree: dict, source: ModelSource,
-                     names: dict[ParamPath, tuple[str, bool]], dtype: Any, sharding: ShardingFn) -> Any:
-    """Read every leaf of `tree` from its checkpoint tensor (with a progress bar) and build the module."""
-    leaves = leaf_paths(tree)
+                     names: dict[ParamPath, tuple[str, bool]], dtype: Any, sharding: ShardingFn,
+                     skip: Callable[[str], bool] = lambda name: False) -> Any:
+    """Read every leaf of `tree` from its checkpoint tensor (with a progress bar) and build the
+    module. Tensors `skip` names stay abstract (a ShapeDtypeStruct with the leaf's sharding): their
+    weights come in another form (a GGUF's blocks, jaxserve.models.products.place)."""
+    leaves = [(p, s) for p, s in leaf_paths(tree)]
+    for path, spec in leaves:
+        if skip(names[path][0]):
+            set_leaf(tree, path, jax.ShapeDtypeStruct(tuple(spec.shape), dtype, sharding=sharding(path, tuple(spec.shape))))
+    leaves = [(p, s) for p, s in leaves if not skip(names[p][0])]
     total = sum(int(np.prod(s.shape)) * jnp.dtype(dtype).itemsize for _, s in leaves)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {source.path.name}", leave=False,
               disable=None) as bar:

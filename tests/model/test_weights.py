@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from tiny_gguf import write_llama_gguf
+from tiny_models import make_tiny_model
 
 from jaxserve.models.config import UnsupportedModelError
 from jaxserve.weights import WeightsError, load_model, resolve, resolve_dtype
-from jaxserve.weights.gguf_file import _hf_name
-from tiny_models import make_tiny_model
 
 TOKENS = np.array([[1, 5, 9, 200, 3, 17, 44, 8]], np.int32)
 
@@ -32,64 +32,10 @@ def tiny_llama(tmp_path_factory):
     return d, make_tiny_model("llama-mha-tied-bias", d).config
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    # What llama.cpp's converter does to q/k rows (interleave RoPE halves).
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32) -> None:
-    """A GGUF as llama.cpp's converter would write it, from a HF llama directory."""
-    from safetensors.numpy import load_file
-
-    tensors = load_file(hf_dir / "model.safetensors")
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    w.add_vocab_size(config.vocab_size)
-    names = {v: k for k, v in _GGUF_TO_HF(tensors).items()}
-    for hf, arr in tensors.items():
-        if hf == "lm_head.weight":
-            continue
-        arr = arr.astype(np.float32)
-        if hf.endswith("q_proj.weight"):
-            arr = _permute(arr, config.num_attention_heads)
-        elif hf.endswith("k_proj.weight"):
-            arr = _permute(arr, config.num_key_value_heads)
-        if arr.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(names[hf], gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(names[hf], arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _GGUF_TO_HF(tensors) -> dict[str, str]:
-    out = {}
-    for i in range(64):
-        for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
-            for suffix in ("weight", "bias"):
-                hf = _hf_name(f"blk.{i}.{g}.{suffix}")
-                if hf in tensors:
-                    out[f"blk.{i}.{g}.{suffix}"] = hf
-    for g in ("token_embd", "output_norm", "output"):
-        hf = _hf_name(f"{g}.weight")
-        if hf in tensors:
-            out[f"{g}.weight"] = hf
-    return out
-
-
 def test_gguf_f32_equals_safetensors(tiny_llama, tmp_path):
     hf_dir, config = tiny_llama
     path = tmp_path / "tiny.gguf"
-    _write_llama_gguf(path, hf_dir, config)
+    write_llama_gguf(path, hf_dir, config)
     ref = _logits(load_model(hf_dir, "float32", use_cache=False).model)
     ours = _logits(load_model(path, "float32", use_cache=False).model)
     np.testing.assert_allclose(ours, ref, atol=1e-5)
@@ -102,7 +48,7 @@ def test_gguf_quant_types_dequantize(tiny_llama, tmp_path, qtype, tol):
     """Each quantized tensor loads to within that format's rounding of the original weight."""
     hf_dir, config = tiny_llama
     path = tmp_path / f"tiny-{qtype.name}.gguf"
-    _write_llama_gguf(path, hf_dir, config, qtype)
+    write_llama_gguf(path, hf_dir, config, qtype)
     loaded = load_model(path, "float32", use_cache=False).model
     original = load_model(hf_dir, "float32", use_cache=False).model
     for layer, (got_layer, want_layer) in enumerate(zip(loaded.layers, original.layers)):

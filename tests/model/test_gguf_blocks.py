@@ -1,0 +1,114 @@
+"""--quantization auto on a GGUF: the file's Q4_0 / Q4_1 / Q8_0 blocks become the model's weights as
+they are (products.GroupWeight on XLA, CpuGroupWeight on the native kernel), so the served model
+is the file's model to float tolerance, not a requantized one; other block types are refused,
+naming the tensor."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from gguf import GGMLQuantizationType as Q
+from tiny_gguf import write_llama_gguf
+from tiny_models import make_tiny_model
+
+from jaxserve.models import products
+from jaxserve.weights import WeightsError, load_model
+from jaxserve.weights.loader import stored_blocks
+from pallas_kernels import cpu_qmatmul
+
+TOKENS = np.array([[1, 5, 9, 200, 3, 17, 44, 8]], np.int32)
+
+
+def _logits(decoder) -> np.ndarray:
+    positions = np.arange(TOKENS.shape[1], dtype=np.int32)[None]
+    return np.asarray(decoder(jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray([TOKENS.shape[1]])), np.float64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    return d, make_tiny_model("llama-mha-tied-bias", d).config
+
+
+def _gguf(tiny_llama, tmp_path, qtype, types=None):
+    hf_dir, config = tiny_llama
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_llama_gguf(path, hf_dir, config, qtype, types)
+    return path
+
+
+def _kept(model, backend, blocks):
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, products.place(state, backend, model.head_path, quantization="gguf", blocks=blocks))
+
+
+def _group_weights(model) -> list:
+    _, state = nnx.split(model)
+    kinds = (products.GroupWeight, products.CpuGroupWeight)
+    return [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(x, kinds)]
+
+
+@pytest.mark.parametrize("qtype, bits", [(Q.Q4_0, 4), (Q.Q4_1, 4), (Q.Q8_0, 8)])
+def test_kept_blocks_are_the_dequantized_model_in_float32(tiny_llama, tmp_path, qtype, bits):
+    """In float32 on XLA the kept blocks dequantize to exactly the gguf package's values, so the
+    logits equal the dequantized model's to float32 rounding (RoPE rows un-interleaved alike)."""
+    loaded = load_model(_gguf(tiny_llama, tmp_path, qtype), "float32", use_cache=False)
+    ref = _logits(loaded.model)
+    blocks = stored_blocks(loaded.source, loaded.model.head_path)
+    assert blocks is not None
+    kept = _kept(loaded.model, "xla", blocks)
+    weights = _group_weights(kept)
+    assert len(weights) == 7 * loaded.config.num_layers + 1  # q k v o gate up down, and the tied head
+    assert all(w.q.dtype == (jnp.uint4 if bits == 4 else jnp.int8) for w in weights)
+    assert all((w.mn is None) == (bits == 8) for w in weights)
+    np.testing.assert_allclose(_logits(kept), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.skipif(not cpu_qmatmul.available(), reason="needs the native kernel (AVX512-BF16)")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_native_kernel_serves_the_blocks(tiny_llama, tmp_path, qtype):
+    """bfloat16 activations through the native kernel on the kept blocks: the float32 reference's
+    logits to bfloat16 tolerance."""
+    path = _gguf(tiny_llama, tmp_path, qtype)
+    ref = _logits(load_model(path, "float32", use_cache=False).model)
+    loaded = load_model(path, "bfloat16", use_cache=False)
+    kept = _kept(loaded.model, "cpu", stored_blocks(loaded.source, loaded.model.head_path))
+    assert len(_group_weights(kept)) == 7 * loaded.config.num_layers + 1
+    got = _logits(kept)
+    np.testing.assert_allclose(got, ref, atol=0.03 * np.abs(ref).max(), rtol=0)
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.85
+
+
+def test_float_gguf_has_no_blocks(tiny_llama, tmp_path):
+    """A GGUF of float tensors keeps nothing: auto is then none."""
+    loaded = load_model(_gguf(tiny_llama, tmp_path, Q.F16), "float32", use_cache=False)
+    assert stored_blocks(loaded.source, loaded.model.head_path) is None
+    assert products.resolve_quantization("auto", gguf_blocks=False) == "none"
+    assert products.resolve_quantization("auto", gguf_blocks=True) == "gguf"
+    with pytest.raises(ValueError, match="auto, none, int8, int4"):
+        products.resolve_quantization("gguf")
+
+
+def test_unsupported_block_type_is_refused_naming_the_tensor(tiny_llama, tmp_path):
+    """A product weight in a block type no kernel reads (Q5_0 here) is refused: the message names the
+    tensor, its type, the supported set and the flags that load it anyway."""
+    path = _gguf(tiny_llama, tmp_path, Q.Q4_1, types={"blk.1.ffn_up.weight": Q.Q5_0})
+    loaded = load_model(path, "float32", use_cache=False)  # --quantization none dequantizes it
+    with pytest.raises(WeightsError, match=r"blk\.1\.ffn_up\.weight is stored as Q5_0.*Q4_0, Q4_1, Q8_0.*"
+                                           r"--quantization none"):
+        stored_blocks(loaded.source, loaded.model.head_path)
+
+
+def test_int4_needs_whole_groups(tiny_llama):
+    """int4 refuses a kernel whose input features are not a whole number of groups, naming it."""
+    hf_dir, _ = tiny_llama
+    model = load_model(hf_dir, "float32", use_cache=False).model
+    _, state = nnx.split(model)
+    k = model.cfg.hidden_size
+    with pytest.raises(ValueError, match=r"layers\.0\..*kernel has \d+ input features.*groups of 128"):
+        if k % 128 == 0:
+            pytest.skip("the tiny model's hidden size is a multiple of 128")
+        products.place(state, "xla", model.head_path, quantization="int4", group=128)

@@ -1,0 +1,66 @@
+"""GGUF files written from the tiny HF llama checkpoints (tiny_models.py) as llama.cpp's converter
+writes them: RoPE rows interleaved, llama.cpp's tensor names, each 2-D weight in a chosen type."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from jaxserve.weights.gguf_file import _hf_name
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    # What llama.cpp's converter does to q/k rows (interleave RoPE halves).
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q] | None = None) -> None:
+    """A GGUF as llama.cpp's converter would write it, from a HF llama directory: 2-D weights in
+    `qtype`, or in types[gguf name] (e.g. {"blk.0.ffn_up.weight": Q.Q5_0})."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(hf_dir / "model.safetensors")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_vocab_size(config.vocab_size)
+    names = {v: k for k, v in _GGUF_TO_HF(tensors).items()}
+    for hf, arr in tensors.items():
+        if hf == "lm_head.weight":
+            continue
+        arr = arr.astype(np.float32)
+        if hf.endswith("q_proj.weight"):
+            arr = _permute(arr, config.num_attention_heads)
+        elif hf.endswith("k_proj.weight"):
+            arr = _permute(arr, config.num_key_value_heads)
+        kind = (types or {}).get(names[hf], qtype)
+        if arr.ndim == 2 and kind != Q.F32:
+            w.add_tensor(names[hf], gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(names[hf], arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _GGUF_TO_HF(tensors) -> dict[str, str]:
+    out = {}
+    for i in range(64):
+        for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            for suffix in ("weight", "bias"):
+                hf = _hf_name(f"blk.{i}.{g}.{suffix}")
+                if hf in tensors:
+                    out[f"blk.{i}.{g}.{suffix}"] = hf
+    for g in ("token_embd", "output_norm", "output"):
+        hf = _hf_name(f"{g}.weight")
+        if hf in tensors:
+            out[f"{g}.weight"] = hf
+    return out
