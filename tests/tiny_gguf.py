@@ -17,7 +17,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q] | None = None) -> None:
     """A GGUF as llama.cpp's converter would write it, from a HF llama directory: 2-D weights in
-    `qtype`, or in types[gguf name] (e.g. {"blk.0.ffn_up.weight": Q.Q5_0})."""
+    `qtype`, or in types[gguf name] (e.g. {"blk.0.ffn_up.weight": Q.Q5_0}). The gguf package cannot
+    quantize to Q4_K or Q6_K, so those tensors get random super-blocks (random_k_blocks) instead of
+    the checkpoint's values: a model the file defines, for comparing two ways of reading it."""
     from safetensors.numpy import load_file
 
     tensors = load_file(hf_dir / "model.safetensors")
@@ -41,7 +43,9 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
         elif hf.endswith("k_proj.weight"):
             arr = _permute(arr, config.num_key_value_heads)
         kind = (types or {}).get(names[hf], qtype)
-        if arr.ndim == 2 and kind != Q.F32:
+        if arr.ndim == 2 and kind in (Q.Q4_K, Q.Q6_K):
+            w.add_tensor(names[hf], random_k_blocks(kind, *arr.shape, seed=len(names[hf])), raw_dtype=kind)
+        elif arr.ndim == 2 and kind != Q.F32:
             w.add_tensor(names[hf], gguf.quants.quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(names[hf], arr)
@@ -64,3 +68,16 @@ def _GGUF_TO_HF(tensors) -> dict[str, str]:
         if hf in tensors:
             out[f"{g}.weight"] = hf
     return out
+
+
+def random_k_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K (144 bytes) or Q6_K (210 bytes) super-blocks for a [rows, cols] weight, their
+    float16 scales set to small finite values so the weights stay O(0.1-1)."""
+    size = 144 if kind == Q.Q4_K else 210
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    if kind == Q.Q4_K:  # d, dmin; 6-bit sub-block scales up to 63
+        b[..., 0:4] = rng.uniform(2e-4, 1e-3, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    else:  # d; int8 sub-block scales up to 127, values to 32
+        b[..., 208:210] = rng.uniform(1e-5, 5e-5, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)

@@ -41,6 +41,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "LlamaConfig",
         dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     ),
+    # Rows of 256 values: GGUF's K-quant super-blocks fit every weight (tests/tiny_gguf.py).
+    "llama-256": (
+        "LlamaConfig",
+        dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=True),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=5, num_key_value_heads=1, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),

@@ -57,6 +57,7 @@ def test_kept_blocks_are_the_dequantized_model_in_float32(tiny_llama, tmp_path, 
     logits equal the dequantized model's to float32 rounding (RoPE rows un-interleaved alike)."""
     loaded = load_model(_gguf(tiny_llama, tmp_path, qtype), "float32", use_cache=False)
     ref = _logits(loaded.model)
+    assert np.all(np.isfinite(ref))
     blocks = stored_blocks(loaded.source, loaded.model.head_path)
     assert blocks is not None
     kept = _kept(loaded.model, "xla", blocks)
@@ -65,6 +66,30 @@ def test_kept_blocks_are_the_dequantized_model_in_float32(tiny_llama, tmp_path, 
     assert all(w.q.dtype == (jnp.uint4 if bits == 4 else jnp.int8) for w in weights)
     assert all((w.mn is None) == (bits == 8) for w in weights)
     np.testing.assert_allclose(_logits(kept), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype, bits", [(Q.Q4_K, 4), (Q.Q6_K, 8)])
+def test_k_quant_blocks_are_the_dequantized_model(tmp_path_factory, qtype, bits):
+    """Q4_K and Q6_K (a tiny llama with rows of 256, random super-blocks) kept as float32-scaled
+    groups of 32 / 16: the gguf package's dequantized model in float32 on XLA, and to bf16
+    tolerance through the native kernel."""
+    hf_dir = tmp_path_factory.mktemp("llama256")
+    config = make_tiny_model("llama-256", hf_dir).config
+    path = hf_dir.parent / f"tiny-{qtype.name}.gguf"
+    write_llama_gguf(path, hf_dir, config, qtype)
+    loaded = load_model(path, "float32", use_cache=False)
+    ref = _logits(loaded.model)
+    assert np.all(np.isfinite(ref)) and ref.std() > 0.1
+    blocks = stored_blocks(loaded.source, loaded.model.head_path)
+    kept = _kept(loaded.model, "xla", blocks)
+    weights = _group_weights(kept)
+    assert len(weights) == 7 * loaded.config.num_layers + 1
+    assert all(w.d.dtype == jnp.float32 and w.d.shape[0] == w.q.shape[0] // (32 if bits == 4 else 16) for w in weights)
+    np.testing.assert_allclose(_logits(kept), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if cpu_qmatmul.available():
+        bf16 = load_model(path, "bfloat16", use_cache=False)
+        native = _logits(_kept(bf16.model, "cpu", stored_blocks(bf16.source, bf16.model.head_path)))
+        np.testing.assert_allclose(native, ref, atol=0.03 * np.abs(ref).max(), rtol=0)
 
 
 @pytest.mark.skipif(not cpu_qmatmul.available(), reason="needs the native kernel (AVX512-BF16)")
@@ -78,6 +103,7 @@ def test_native_kernel_serves_the_blocks(tiny_llama, tmp_path, qtype):
     kept = _kept(loaded.model, "cpu", stored_blocks(loaded.source, loaded.model.head_path))
     assert len(_group_weights(kept)) == 7 * loaded.config.num_layers + 1
     got = _logits(kept)
+    assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, ref, atol=0.03 * np.abs(ref).max(), rtol=0)
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.85
 
