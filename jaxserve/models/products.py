@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 Array = jax.Array
@@ -130,10 +131,11 @@ class GroupWeight:
 
     @classmethod
     def of(cls, b: Blocks, sharding: Any = None) -> GroupWeight:
-        """`b` on the devices of `sharding` (the [K, N] weight's; the scales follow it)."""
+        """`b` on the devices of `sharding` (the [K, N] weight's: TP splits the values and their
+        scales together; scales with fewer groups than shards along K stay whole on that axis)."""
         def put(a: Any, dtype: Any) -> Array:
             a = jnp.asarray(a).astype(dtype)
-            return a if sharding is None else jax.device_put(a, sharding)
+            return a if sharding is None else jax.device_put(a, _divisible(sharding, a.shape))
 
         scale = jnp.float32 if jnp.asarray(b.d).dtype == jnp.float32 else jnp.float16
         return cls(put(b.q, jnp.uint4 if b.bits == 4 else jnp.int8), put(b.d, scale),
@@ -344,6 +346,21 @@ def _kn_sharding(leaf: Any, is_head: bool) -> Any:
         return sharding
     spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[1], spec[0]))
+
+
+def _divisible(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """`sharding` without the mesh axes that do not divide their dimension of `shape`."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    mesh = sharding.mesh
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+
+    def size(axes: Any) -> int:
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return int(np.prod([mesh.shape[a] for a in names if a is not None]))
+
+    kept = tuple(a if a is None or dim % size(a) == 0 else None for a, dim in zip(spec, shape))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*kept))
 
 
 def _product_weight(path: tuple, head_path: tuple[str, ...] | None) -> str | None:

@@ -122,3 +122,20 @@ def test_int8_weights_split_with_their_scales(report):
         heads = _size(NAMES[0], "num_attention_heads")
         if heads % int(tp) == 0:  # q_proj's columns are split: so are its scales
             assert q_proj["scale"]["shard_shapes"][0][0] == q_proj["scale"]["shape"][0] // int(tp)
+
+
+def test_int4_weights_split_with_their_group_scales(report):
+    """--quantization int4 (XLA's dot on 4-bit groups of 32) under tensor parallelism: the same
+    greedy tokens at every size as the no-cache reference on the same 4-bit weights; the values
+    keep the bf16/f32 weight's split and a column-split weight's group scales split with its
+    columns."""
+    q4 = report["int4"]
+    for tp in map(str, SIZES):
+        assert q4["engine"][tp] == q4["reference"], f"int4 at TP {tp}"
+    for tp in map(str, SIZES[1:]):
+        q_proj, down = q4["layout"][tp]["q_proj"], q4["layout"][tp]["down_proj"]
+        assert q_proj["q"]["spec"] == report[NAMES[0]]["layout"][tp]["q_proj"]["spec"]
+        assert down["q"]["spec"] == report[NAMES[0]]["layout"][tp]["down_proj"]["spec"]
+        heads = _size(NAMES[0], "num_attention_heads")
+        if heads % int(tp) == 0:  # q_proj's columns are split: so are its scales [K / 32, N]
+            assert q_proj["scale"]["shard_shapes"][0][1] == q_proj["scale"]["shape"][1] // int(tp)

@@ -115,9 +115,10 @@ def run(name: str, sizes: list[int], work: Path) -> dict:
     return report
 
 
-def int8(name: str, sizes: list[int], work: Path) -> dict:
-    """--quantization int8 at every TP size: the engine's greedy tokens, the no-cache reference on
-    the same int8 weights, and how the int8 values and their scales are split."""
+def quantized(name: str, sizes: list[int], work: Path, quantization: str) -> dict:
+    """--quantization int8 or int4 (groups of 32) at every TP size: the engine's greedy tokens, the
+    no-cache reference on the same quantized weights, and how the values and their scales are
+    split."""
     from jaxserve.models import products
 
     directory = work / name
@@ -130,9 +131,9 @@ def int8(name: str, sizes: list[int], work: Path) -> dict:
         model = load_model(directory, "float32", use_cache=False, sharding_for=sharding_for).model
         if tp == 1:
             graphdef, state = nnx.split(model)
-            quantized = nnx.merge(graphdef, products.place(state, "xla", model.head_path, quantization="int8"))
-            report["reference"] = greedy_reference(quantized, PROMPTS, MAX_TOKENS)
-        engine = build_engine(model, tokenizer, dataclasses.replace(CONFIG, quantization="int8"))
+            placed = nnx.merge(graphdef, products.place(state, "xla", model.head_path, quantization=quantization))
+            report["reference"] = greedy_reference(placed, PROMPTS, MAX_TOKENS)
+        engine = build_engine(model, tokenizer, dataclasses.replace(CONFIG, quantization=quantization))
         ids = [str(i) for i in range(len(PROMPTS))]
         for rid, prompt in zip(ids, PROMPTS):
             engine.add_request(rid, prompt, params)
@@ -140,7 +141,7 @@ def int8(name: str, sizes: list[int], work: Path) -> dict:
         report["engine"][tp] = [results[r].outputs[0].token_ids for r in ids]
         weights = nnx.to_pure_dict(engine.runner.params)["layers"][1]
         report["layout"][tp] = {
-            label: {"q": layout(w.q), "scale": layout(w.scale)}
+            label: {"q": layout(w.q), "scale": layout(w.scale if quantization == "int8" else w.d)}
             for label, w in (("q_proj", weights["self_attn"]["q_proj"]["kernel"]),
                              ("down_proj", weights["mlp"]["down_proj"]["kernel"]))}
     return report
@@ -168,7 +169,8 @@ def main() -> None:
     for name in names:
         report[name] = run(name, [int(s) for s in sizes], work)
     report["startup"] = startup_and_orbax(work, names[0], int(sizes[-1]))
-    report["int8"] = int8(names[0], [int(s) for s in sizes], work)
+    report["int8"] = quantized(names[0], [int(s) for s in sizes], work, "int8")
+    report["int4"] = quantized(names[0], [int(s) for s in sizes], work, "int4")
     Path(out).write_text(json.dumps(report))
 
 
