@@ -156,20 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "Pallas kernels on GPUs (checked and timed on an H100), the native kernel on the CPU when it "
                    "builds (else the reference, with a warning; tensor-parallel CPU runs use the reference), and "
                    "the Pallas kernels on TPUs (compiled by the real TPU compiler in CI, not yet timed on a TPU)")
-    e.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    e.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="the weights' form in the steps. auto keeps the checkpoint's own precision: on the CPU "
                    "with the native kernel (bfloat16, AVX512-BF16), a GGUF's Q4_0 / Q4_1 / Q4_K (4 bits a weight) "
                    "and Q8_0 / Q6_K (read as 8 bits) blocks stay quantized as they are in the file, with their "
-                   "scales, and a weight in another block type (Q5_K, Q2_K, IQ4_XS, ...) is refused at start-up, "
-                   "naming the tensor: pass none, int8 or int4 for those; on GPUs and TPUs, which have no fused "
-                   "block product yet, auto dequantizes a GGUF to --dtype. A safetensors checkpoint stays in "
-                   "--dtype. none dequantizes "
-                   "a GGUF to --dtype. int8 quantizes every Linear kernel and the LM head (the embedding when "
-                   "tied) per output channel at load (symmetric, scale = max|w| / 127): one byte a weight. int4 "
-                   "quantizes the Linear kernels to 4 bits in groups of --quantization-group-size rows "
-                   "(asymmetric: float16 scale and minimum per group) and the LM head to int8. The native CPU "
-                   "kernels read int8 and 4-bit bytes, XLA's dot (GPU, TPU) reads int8 ones; with int4 it "
-                   "dequantizes each weight per step (less memory, not more speed). Generation models only")
+                   "scales; a weight in another block type (Q5_0, Q5_K, Q2_K, IQ4_XS, ...: llama.cpp's Q4_K_M "
+                   "files use Q5_0 where a row is no whole number of 256) runs dequantized, named in a warning; "
+                   "on GPUs and TPUs, which have no fused block product yet, auto dequantizes a GGUF to --dtype. "
+                   "A safetensors checkpoint stays in --dtype. gguf keeps a GGUF's blocks on every backend and in "
+                   "any --dtype, and refuses at start-up a weight in any other block type, naming the tensor. "
+                   "none dequantizes a GGUF to --dtype. int8 quantizes every Linear kernel and the LM head (the "
+                   "embedding when tied) per output channel at load (symmetric, scale = max|w| / 127): one byte "
+                   "a weight. int4 quantizes the Linear kernels to 4 bits in groups of --quantization-group-size "
+                   "rows (asymmetric: float16 scale and minimum per group) and the LM head to int8. The native "
+                   "CPU kernels read int8 and 4-bit bytes, XLA's dot (GPU, TPU) reads int8 ones; with int4 or "
+                   "gguf it dequantizes each weight per step (less memory, not more speed). Generation models "
+                   "only")
     e.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="rows (input features) per scale and minimum for --quantization int4: 32 is the most "
                    "accurate (GGUF Q4_1's blocks), 128 the smallest (0.25 bits a weight of scales instead of 1)")

@@ -126,7 +126,8 @@ class LLM:
         checkpoint decides, as --task auto does). hf_overrides: keys replacing the checkpoint's
         config.json, as --hf-overrides. quantization: "int8" or "int4" (in groups of
         quantization_group_size rows) quantizes a generation model's weights, "none" dequantizes a
-        GGUF, "auto" keeps the checkpoint's precision, as --quantization."""
+        GGUF, "auto" keeps the checkpoint's precision, "gguf" a GGUF's blocks strictly, as
+        --quantization."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:

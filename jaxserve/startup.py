@@ -61,11 +61,11 @@ def resolve_max_model_len(requested: int | None, limit: int,
 
 
 def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True,
-         skip_tokenizer_init: bool = False, keep_blocks: bool = False) -> LoadedServing:
+         skip_tokenizer_init: bool = False, keep_blocks: str = "none") -> LoadedServing:
     """Load weights (sharded over a mesh of `tensor_parallel_size` local devices; with
     sharded=False, at size 1, plainly on one device) and the tokenizer (none with
-    skip_tokenizer_init: the checkpoint then needs no tokenizer files). keep_blocks: a GGUF's
-    blocks are kept (loaded.blocks), or refused when no product reads their type."""
+    skip_tokenizer_init: the checkpoint then needs no tokenizer files). keep_blocks: none, auto
+    or strict, which of a GGUF's blocks are kept (loaded.blocks; load_model)."""
     start = time.perf_counter()
     mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
@@ -129,8 +129,10 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
     tp = config.parallel.tensor_parallel_size
-    keep_blocks = config.model.quantization == "auto" and products.keeps_gguf_blocks(
-        config.matmul_backend, config.model.dtype, tp)
+    asked = config.model.quantization
+    products.check_group_size(config.model.quantization_group_size)
+    keep_blocks = ("strict" if asked == "gguf" else
+                   "auto" if asked == "auto" and products.keeps_gguf_blocks(config.matmul_backend, tp) else "none")
     ready = load(config.model, tp, skip_tokenizer_init=skip_tokenizer_init, keep_blocks=keep_blocks)
     log.info("model: %s", ready.summary())
     max_model_len = ready.max_model_len
@@ -142,14 +144,16 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
     blocks = ready.loaded.blocks
+    if asked == "int4":  # before any weight is repacked: the model's shapes against the group size
+        products.check_int4_shapes(ready.loaded.config, config.model.quantization_group_size)
     quantization = products.resolve_quantization(config.model.quantization, gguf_blocks=blocks is not None)
     group = config.model.quantization_group_size
     if config.model.quantization == "auto" and ready.loaded.source.kind == "gguf" and blocks is None:
         log.info("--quantization auto: the GGUF's weights run dequantized to %s (its blocks are kept only where "
                  "the native CPU kernel reads them)", jnp.dtype(ready.loaded.dtype).name)
-    if quantization == "int4" and matmul_backend != "cpu":
-        log.warning("--quantization int4 on XLA's dot dequantizes every weight in every step: it saves memory, "
-                    "not time (only the native CPU kernel reads 4-bit weights fast so far)")
+    if quantization in ("int4", "gguf") and matmul_backend != "cpu":
+        log.warning("--quantization %s on XLA's dot dequantizes every weight in every step: it saves memory, "
+                    "not time (only the native CPU kernel reads 4-bit weights fast so far)", quantization)
     log.info("products: %s%s", products.describe_backend(matmul_backend), products.describe_quantization(quantization, group))
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
@@ -181,7 +185,7 @@ def start_classify_engine(config: Config, task: str = "classify", default_max_mo
     from jaxserve.models import products
 
     m = config.model
-    if products.resolve_quantization(m.quantization) != "none":
+    if m.quantization not in ("auto", "none"):
         raise ValueError(f"--quantization {m.quantization}: classification and embedding models run with the "
                          "checkpoint's weights; quantization is for generation models")
     start = time.perf_counter()

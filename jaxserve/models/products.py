@@ -390,7 +390,10 @@ def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization:
         named = functools.partial(jax.sharding.NamedSharding, leaf.sharding.mesh)
         if quantization == "int4" and not is_head:
             k, n = leaf.shape
-            scales = jax.ShapeDtypeStruct((k // group, n), jnp.float16, sharding=leaf.sharding)
+            if k % group:
+                raise ValueError(f"--quantization int4: {'.'.join(map(str, _keys(path)))} has {k} input features, "
+                                 f"not a whole number of groups of {group}")
+            scales = jax.ShapeDtypeStruct((k // group, n), jnp.float16, sharding=_divisible(leaf.sharding, (k // group, n)))
             return GroupWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.uint4, sharding=leaf.sharding), scales, scales)
         axis = 0 if is_head else 1
         scale_sharding = named(jax.sharding.PartitionSpec(spec[axis]))
@@ -401,24 +404,42 @@ def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization:
 
 
 def resolve_quantization(name: str, gguf_blocks: bool = False) -> str:
-    """--quantization: none, int8 or int4 as asked; auto keeps the checkpoint's own precision:
-    "gguf" (its blocks, kept quantized) for a GGUF file whose weights are stored in blocks
-    (`gguf_blocks`), else none. "gguf" is not a choice a user makes: it is what auto means there."""
-    if name == "auto":
+    """--quantization: none, int8 or int4 as asked; auto and gguf keep a GGUF's blocks where the
+    loader kept them (`gguf_blocks`), else none (a float GGUF, or auto where no kernel reads them)."""
+    if name in ("auto", "gguf"):
         return "gguf" if gguf_blocks else "none"
-    if name not in QUANTIZATIONS or name == "gguf":
-        raise ValueError(f"--quantization must be one of auto, none, int8, int4; got {name!r}")
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of auto, {', '.join(QUANTIZATIONS)}; got {name!r}")
     return name
 
 
-def keeps_gguf_blocks(matmul_backend: str, dtype: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:
+def check_group_size(group: int) -> None:
+    """--quantization-group-size: one of GROUP_SIZES."""
+    if group not in GROUP_SIZES:
+        raise ValueError(f"--quantization-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group!r}")
+
+
+def check_int4_shapes(cfg: Any, group: int) -> None:
+    """int4 needs every Linear kernel's input features (hidden size, attention width, MLP width) to
+    be whole groups: checked from the config before any weight is repacked."""
+    widths = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_heads x head_dim": cfg.num_heads * cfg.head_dim}
+    bad = {k: v for k, v in widths.items() if v % group}
+    if bad:
+        raise ValueError(f"--quantization int4: {', '.join(f'{k} {v}' for k, v in bad.items())} is no whole number "
+                         f"of groups of {group}; pass a --quantization-group-size that divides it "
+                         f"({', '.join(str(g) for g in GROUP_SIZES if all(v % g == 0 for v in widths.values())) or 'none does'})")
+
+
+def keeps_gguf_blocks(matmul_backend: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:
     """Whether --quantization auto keeps a GGUF's blocks for this run: where the native CPU kernel
-    reads them (bfloat16 activations, one device, --matmul-backend auto or cpu). XLA's dot on GPUs
+    reads them (one device, --matmul-backend auto or cpu; the loader also wants the model in
+    bfloat16, once --dtype is resolved: jaxserve.weights.loader.load_model). XLA's dot on GPUs
     and TPUs has no fused block-dequantizing product yet (the deviceless TPU compile of Llama-3-8B
     writes the dequantized weights out: 2.6x the bfloat16 step's bytes, benchmarks/RESULTS.md), so
     there auto dequantizes the blocks at load, as --quantization none does."""
     platform = platform or jax.default_backend()
-    if platform != "cpu" or tensor_parallel > 1 or matmul_backend == "xla" or dtype == "float32":
+    if platform != "cpu" or tensor_parallel > 1 or matmul_backend == "xla":
         return False
     from pallas_kernels import cpu_qmatmul
 

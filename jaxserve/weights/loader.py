@@ -142,23 +142,33 @@ def restore_or_build(
     return module, False
 
 
-def stored_blocks(source: ModelSource, head_path: tuple[str, ...]) -> Callable[[ParamPath], Blocks | None] | None:
-    """What --quantization auto keeps of a GGUF: a parameter path -> the Blocks its tensor is stored
-    in ([K, N], as products.place takes them), None for a float tensor; None in place of the whole
-    callable when no product weight (Linear kernel, LM head) is stored in blocks (safetensors, or
-    a float GGUF). Raises WeightsError naming the first product weight stored in a block type that
-    no product reads, its type and the supported set: never a silent dequantize."""
+def stored_blocks(source: ModelSource, head_path: tuple[str, ...], strict: bool = True,
+                  dtype_name: str = "bfloat16") -> Callable[[ParamPath], Blocks | None] | None:
+    """What a GGUF's blocks give the products: a parameter path -> the Blocks its tensor is stored
+    in ([K, N], as products.place takes them), None for a tensor that runs in the model's dtype;
+    None in place of the whole callable when no product weight (Linear kernel, LM head) is stored
+    in blocks a product reads (safetensors, a float GGUF). A product weight in another block type
+    (llama.cpp's Q4_K_M files put Q5_0 wherever a row is no whole number of 256) is, `strict`
+    (--quantization gguf), refused with a WeightsError naming it, its type and the supported set;
+    else (--quantization auto) dequantized to `dtype_name`, with a warning naming it: never
+    silently."""
     types = source.tensor_types
     head = hf_name(head_path)[0]
     weights = [n for n in types if n == head or (n.startswith("model.layers.") and n.endswith("_proj.weight"))]
-    for name in weights:
-        if types[name] not in KEPT_TYPES and types[name] not in FLOAT_TYPES:
-            raise WeightsError(
-                f"{source.path}: tensor {source.stored_name(name)} is stored as {types[name]}; --quantization "
-                f"auto keeps a GGUF's blocks in {', '.join(KEPT_TYPES)} (and float {', '.join(FLOAT_TYPES)}) only. "
-                "Pass --quantization none to dequantize the model to its dtype, or int8 / int4 to requantize it")
+    other = [n for n in weights if types[n] not in KEPT_TYPES and types[n] not in FLOAT_TYPES]
+    if other and strict:
+        name = other[0]
+        raise WeightsError(
+            f"{source.path}: tensor {source.stored_name(name)} is stored as {types[name]}; --quantization gguf "
+            f"keeps a GGUF's blocks in {', '.join(KEPT_TYPES)} (and float {', '.join(FLOAT_TYPES)}) only. "
+            "Pass --quantization auto to run such tensors dequantized, none to dequantize the whole model, "
+            "or int8 / int4 to requantize it")
     if not any(types[n] in KEPT_TYPES for n in weights):
         return None
+    if other:
+        names = ", ".join(f"{source.stored_name(n)} ({types[n]})" for n in other[:4])
+        log.warning("%d of the GGUF's %d product weights are in block types no kernel reads and run dequantized to "
+                    "%s: %s%s", len(other), len(weights), dtype_name, names, " ..." if len(other) > 4 else "")
     blocks = source.blocks
 
     def get(path: ParamPath) -> Blocks | None:
@@ -182,16 +192,18 @@ def load_model(
     sharding_for: Callable[[DecoderConfig], ShardingFn] | None = None,
     load_format: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
-    keep_blocks: bool = False,
+    keep_blocks: str = "none",
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
     checkpoint of the converted parameters under cache_dir and later loads restore from it.
     sharding_for, when given, builds the sharding callback from the model's config (tensor
     parallelism needs the head counts, which are only known once the checkpoint is read).
-    keep_blocks (--quantization auto): a GGUF whose product weights are stored in blocks that a
-    product reads (stored_blocks, which refuses other block types) is loaded without them: the
-    model holds them abstractly and LoadedModel.blocks reads them, so start-up never holds a
-    dequantized copy; the memory-mapped file is their cache (no orbax cache is written)."""
+    keep_blocks: "auto" (--quantization auto): the product weights a GGUF stores in blocks that a
+    product reads are not loaded as arrays (the model holds them abstractly; LoadedModel.blocks
+    reads them, so start-up never holds a dequantized copy, and the memory-mapped file is their
+    cache: no orbax cache is written) when the model runs in bfloat16, the native kernel's dtype;
+    weights in other block types run dequantized, named in a warning. "strict" (--quantization
+    gguf): in any dtype, refusing other block types (stored_blocks). "none": everything loaded."""
     start = time.perf_counter()
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -214,9 +226,16 @@ def load_model(
         sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None
     blocks = None
-    if keep_blocks and not dummy and source.kind == "gguf":
+    if keep_blocks not in ("none", "auto", "strict"):
+        raise ValueError(f"keep_blocks must be none, auto or strict, got {keep_blocks!r}")
+    if keep_blocks == "strict" and source.kind != "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's blocks; {source.path} is not a GGUF file")
+    if keep_blocks == "strict" and dummy:
+        raise ValueError("--quantization gguf needs the file's blocks, not --load-format dummy")
+    if (keep_blocks == "strict" or (keep_blocks == "auto" and jdtype == jnp.bfloat16)) and not dummy \
+            and source.kind == "gguf":
         head_path = ("embed_tokens",) if cfg.tie_word_embeddings else ("lm_head",)
-        blocks = stored_blocks(source, head_path)
+        blocks = stored_blocks(source, head_path, strict=keep_blocks == "strict", dtype_name=jnp.dtype(jdtype).name)
     if blocks is not None:
         kept = set(source.blocks)
         head = hf_name(head_path)[0]

@@ -114,22 +114,54 @@ def test_float_gguf_has_no_blocks(tiny_llama, tmp_path):
     assert stored_blocks(loaded.source, loaded.model.head_path) is None
     assert products.resolve_quantization("auto", gguf_blocks=False) == "none"
     assert products.resolve_quantization("auto", gguf_blocks=True) == "gguf"
-    with pytest.raises(ValueError, match="auto, none, int8, int4"):
-        products.resolve_quantization("gguf")
+    assert products.resolve_quantization("gguf", gguf_blocks=False) == "none"
+    with pytest.raises(ValueError, match="auto, none, int8, int4, gguf"):
+        products.resolve_quantization("int3")
 
 
-def test_unsupported_block_type_is_refused_naming_the_tensor(tiny_llama, tmp_path):
-    """A product weight in a block type no kernel reads (Q5_0 here) is refused: the message names the
-    tensor, its type, the supported set and the flags that load it anyway."""
+def test_other_block_types_refused_by_gguf_dequantized_by_auto(tiny_llama, tmp_path, caplog):
+    """A product weight in a block type no kernel reads (Q5_0 here, as llama.cpp's Q4_K_M files hold
+    where rows are no whole number of 256): --quantization gguf refuses it, naming the tensor, its
+    type, the supported set and the flags that load it; auto keeps the other blocks and runs that
+    one dequantized, naming it in a warning; the logits equal the dequantized model's."""
     path = _gguf(tiny_llama, tmp_path, Q.Q4_1, types={"blk.1.ffn_up.weight": Q.Q5_0})
-    loaded = load_model(path, "float32", use_cache=False)  # --quantization none dequantizes it
     with pytest.raises(WeightsError, match=r"blk\.1\.ffn_up\.weight is stored as Q5_0.*Q4_0, Q4_1, Q8_0.*"
-                                           r"--quantization none"):
-        stored_blocks(loaded.source, loaded.model.head_path)
+                                           r"--quantization auto"):
+        load_model(path, "float32", use_cache=False, keep_blocks="strict")
+    ref = load_model(path, "float32", use_cache=False)  # none: all dequantized
+    with caplog.at_level("WARNING", logger="jaxserve.weights"):
+        auto = load_model(path, "bfloat16", use_cache=False, keep_blocks="auto")
+    assert "blk.1.ffn_up.weight (Q5_0)" in caplog.text and "dequantized to bfloat16" in caplog.text
+    assert auto.blocks is not None
+    assert auto.blocks(("layers", 1, "mlp", "up_proj", "kernel")) is None  # runs dequantized
+    assert auto.blocks(("layers", 1, "mlp", "down_proj", "kernel")).bits == 4
+    # The same in float32 on XLA through the strict path's reader (non-strict): the file's model.
+    blocks = stored_blocks(ref.source, ref.model.head_path, strict=False, dtype_name="float32")
+    np.testing.assert_allclose(_logits(_kept(ref.model, "xla", blocks)), _logits(ref.model), rtol=1e-5,
+                               atol=1e-5 * np.abs(_logits(ref.model)).max())
+
+
+def test_auto_keeps_blocks_only_in_bfloat16(tiny_llama, tmp_path):
+    """keep_blocks="auto" keeps nothing for a float32 run (the native kernel multiplies bfloat16):
+    the model is the dequantized one; "strict" keeps them in any dtype."""
+    path = _gguf(tiny_llama, tmp_path, Q.Q4_1)
+    assert load_model(path, "float32", use_cache=False, keep_blocks="auto").blocks is None
+    assert load_model(path, "float32", use_cache=False, keep_blocks="strict").blocks is not None
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(tiny_llama[0], "float32", use_cache=False, keep_blocks="strict")
 
 
 def test_int4_needs_whole_groups(tiny_llama):
-    """int4 refuses a kernel whose input features are not a whole number of groups, naming it."""
+    """int4 refuses a kernel whose input features are not a whole number of groups, naming it (and,
+    before loading, the config's widths that are not, with the group sizes that would do)."""
+    from jaxserve.models.config import decoder_config_from_hf
+
+    cfg = decoder_config_from_hf({**tiny_llama[1].to_dict(), "architectures": ["LlamaForCausalLM"]})
+    products.check_int4_shapes(cfg, 32)
+    with pytest.raises(ValueError, match=r"hidden_size 64.*groups of 128.*\(32, 64\)"):
+        products.check_int4_shapes(cfg, 128)
+    with pytest.raises(ValueError, match="--quantization-group-size must be one of 32, 64, 128"):
+        products.check_group_size(48)
     hf_dir, _ = tiny_llama
     model = load_model(hf_dir, "float32", use_cache=False).model
     _, state = nnx.split(model)
