@@ -146,9 +146,9 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     blocks = ready.loaded.blocks
     if asked == "int4":  # before any weight is repacked: the model's shapes against the group size
         products.check_int4_shapes(ready.loaded.config, config.model.quantization_group_size)
-    quantization = products.resolve_quantization(config.model.quantization, gguf_blocks=blocks is not None)
+    quantization = products.resolve_quantization(asked, gguf_blocks=blocks is not None)
     group = config.model.quantization_group_size
-    if config.model.quantization == "auto" and ready.loaded.source.kind == "gguf" and blocks is None:
+    if asked == "auto" and ready.loaded.source.kind == "gguf" and blocks is None:
         log.info("--quantization auto: the GGUF's weights run dequantized to %s (its blocks are kept only where "
                  "the native CPU kernel reads them)", jnp.dtype(ready.loaded.dtype).name)
     if quantization in ("int4", "gguf") and matmul_backend != "cpu":
@@ -181,8 +181,6 @@ def start_classify_engine(config: Config, task: str = "classify", default_max_mo
     from jaxserve.engine.classify import ClassifyConfig, ClassifyEngine
     from jaxserve.models.embedder import EmbedderConfig
     from jaxserve.weights.classifier_loader import load_classifier
-
-    from jaxserve.models import products
 
     m = config.model
     if m.quantization not in ("auto", "none"):

@@ -40,12 +40,8 @@ STRIP = 32  # columns per strip of a packed weight: one 64-byte cache line of bf
 def _register() -> bool:
     """Build (or find) the kernel and register it with XLA once per process; False when the CPU
     lacks the instructions. Raises BuildError."""
-    lib = native.load(SOURCE)
-    if not lib.JaxserveMatmulSupported():
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_INT8, jax.ffi.pycapsule(lib.JaxserveMatmulInt8), platform="cpu")
-    return True
+    return native.register(SOURCE, "JaxserveMatmulSupported",
+                           {TARGET: "JaxserveMatmul", TARGET_INT8: "JaxserveMatmulInt8"})
 
 
 def ensure_built() -> bool:

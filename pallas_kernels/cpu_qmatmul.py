@@ -36,12 +36,8 @@ TARGET_Q8 = "jaxserve_cpu_matmul_q8"
 
 @functools.cache
 def _register() -> bool:
-    lib = native.load(SOURCE)
-    if not lib.JaxserveQMatmulSupported():
-        return False
-    jax.ffi.register_ffi_target(TARGET_Q4, jax.ffi.pycapsule(lib.JaxserveMatmulQ4), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxserveMatmulQ8), platform="cpu")
-    return True
+    return native.register(SOURCE, "JaxserveQMatmulSupported",
+                           {TARGET_Q4: "JaxserveMatmulQ4", TARGET_Q8: "JaxserveMatmulQ8"})
 
 
 @functools.cache

@@ -83,7 +83,18 @@ def _build(source: Path) -> Path:
     return out
 
 
-@functools.cache
+def register(source: Path, supported: str, targets: dict[str, str]) -> bool:
+    """Build (or find) `source`, ask its `supported` function whether this CPU has the kernel's
+    instructions, and if so register each XLA FFI target name -> handler symbol of `targets`.
+    False when the instructions are missing; raises BuildError."""
+    lib = load(source)
+    if not getattr(lib, supported)():
+        return False
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True
+
+
 def usable(register: Callable[[], bool], what: str, fallback: str) -> bool:
     """Whether a kernel's `register` (build, load, register with XLA; False when the CPU lacks the
     instructions) succeeds, logging why not: `what` is the kernel, `fallback` what runs instead."""
@@ -97,6 +108,7 @@ def usable(register: Callable[[], bool], what: str, fallback: str) -> bool:
     return ok
 
 
+@functools.cache
 def load(source: Path) -> ctypes.CDLL:
     """Build (or find) `source` and load it, once per process; raises BuildError."""
     path = build(source)

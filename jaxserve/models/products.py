@@ -313,9 +313,7 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
         if quantization == "gguf":
             stored = blocks(_keys(path))  # type: ignore[misc]
         elif quantization == "int4" and not is_head:
-            if leaf.shape[0] % group:
-                raise ValueError(f"--quantization int4: {'.'.join(map(str, _keys(path)))} has {leaf.shape[0]} input "
-                                 f"features, not a whole number of groups of {group} (--quantization-group-size)")
+            _check_whole_groups(path, leaf.shape[0], group)
             stored = Blocks.quantize_int4(leaf, group)
         if stored is not None:
             new: Any = CpuGroupWeight.of(stored) if backend == "cpu" else GroupWeight.of(stored, _kn_sharding(leaf, is_head))
@@ -337,6 +335,13 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
 def _keys(path: tuple) -> tuple:
     """A parameter's path as names and layer indices (the loader's ParamPath)."""
     return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _check_whole_groups(path: tuple, k: int, group: int) -> None:
+    """int4 needs a kernel's K input features to be whole groups; the error names the kernel."""
+    if k % group:
+        raise ValueError(f"--quantization int4: {'.'.join(map(str, _keys(path)))} has {k} input features, not a "
+                         f"whole number of groups of {group} (--quantization-group-size)")
 
 
 def _kn_sharding(leaf: Any, is_head: bool) -> Any:
@@ -390,9 +395,7 @@ def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization:
         named = functools.partial(jax.sharding.NamedSharding, leaf.sharding.mesh)
         if quantization == "int4" and not is_head:
             k, n = leaf.shape
-            if k % group:
-                raise ValueError(f"--quantization int4: {'.'.join(map(str, _keys(path)))} has {k} input features, "
-                                 f"not a whole number of groups of {group}")
+            _check_whole_groups(path, k, group)
             scales = jax.ShapeDtypeStruct((k // group, n), jnp.float16, sharding=_divisible(leaf.sharding, (k // group, n)))
             return GroupWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.uint4, sharding=leaf.sharding), scales, scales)
         axis = 0 if is_head else 1

@@ -1,8 +1,9 @@
 """GGUF files: model config and tensors from llama.cpp's format, renamed to HF's names.
 
 The gguf package reads the file (memory-mapped) and dequantizes each quant block type to float32;
-`open_blocks` instead reads the Q4_0 / Q4_1 / Q8_0 blocks that the block-quantized products
-(pallas_kernels.cpu_qmatmul, jaxserve.models.products) take as they are. This module maps llama.cpp's metadata and tensor names onto the Hugging Face config.json keys and
+`open_blocks` instead reads the blocks that the block-quantized products (pallas_kernels.cpu_qmatmul,
+jaxserve.models.products) take as they are: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (KEPT_TYPES). This
+module maps llama.cpp's metadata and tensor names onto the Hugging Face config.json keys and
 tensor names, so everything after it is shared with the safetensors path. llama.cpp stores the
 q and k projections of llama-architecture models with RoPE's halves interleaved; they are permuted
 back to HF's rotate-half layout here.

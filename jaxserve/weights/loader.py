@@ -142,6 +142,12 @@ def restore_or_build(
     return module, False
 
 
+def _product_tensor(name: str, head: str) -> bool:
+    """Whether HF tensor `name` multiplies activations: a Linear weight, or the head (`head`: the
+    embedding when tied)."""
+    return name == head or (name.startswith("model.layers.") and name.endswith("_proj.weight"))
+
+
 def stored_blocks(source: ModelSource, head_path: tuple[str, ...], strict: bool = True,
                   dtype_name: str = "bfloat16") -> Callable[[ParamPath], Blocks | None] | None:
     """What a GGUF's blocks give the products: a parameter path -> the Blocks its tensor is stored
@@ -154,7 +160,7 @@ def stored_blocks(source: ModelSource, head_path: tuple[str, ...], strict: bool 
     silently."""
     types = source.tensor_types
     head = hf_name(head_path)[0]
-    weights = [n for n in types if n == head or (n.startswith("model.layers.") and n.endswith("_proj.weight"))]
+    weights = [n for n in types if _product_tensor(n, head)]
     other = [n for n in weights if types[n] not in KEPT_TYPES and types[n] not in FLOAT_TYPES]
     if other and strict:
         name = other[0]
@@ -239,7 +245,7 @@ def load_model(
     if blocks is not None:
         kept = set(source.blocks)
         head = hf_name(head_path)[0]
-        skip = lambda name: name in kept and (name == head or name.endswith("_proj.weight"))
+        skip = lambda name: name in kept and _product_tensor(name, head)
         decoder, from_cache = build_from_source(cfg, source, jdtype, sharding, skip), False
     elif dummy:
         from jaxserve.weights.dummy import build_random

@@ -103,11 +103,12 @@ def fill_from_source(graphdef: nnx.GraphDef, state: nnx.State, tree: dict, sourc
     """Read every leaf of `tree` from its checkpoint tensor (with a progress bar) and build the
     module. Tensors `skip` names stay abstract (a ShapeDtypeStruct with the leaf's sharding): their
     weights come in another form (a GGUF's blocks, jaxserve.models.products.place)."""
-    leaves = [(p, s) for p, s in leaf_paths(tree)]
-    for path, spec in leaves:
+    leaves = []
+    for path, spec in leaf_paths(tree):
         if skip(names[path][0]):
             set_leaf(tree, path, jax.ShapeDtypeStruct(tuple(spec.shape), dtype, sharding=sharding(path, tuple(spec.shape))))
-    leaves = [(p, s) for p, s in leaves if not skip(names[p][0])]
+        else:
+            leaves.append((path, spec))
     total = sum(int(np.prod(s.shape)) * jnp.dtype(dtype).itemsize for _, s in leaves)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {source.path.name}", leave=False,
               disable=None) as bar:

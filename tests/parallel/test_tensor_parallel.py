@@ -108,34 +108,22 @@ def test_steps_move_activations_not_weights_or_pages(report, name, tp):
     assert not heavy & {tuple(s) for s in layout["collectives"]}
 
 
-def test_int8_weights_split_with_their_scales(report):
-    """--quantization int8 under tensor parallelism: the same greedy tokens at every size as the
-    no-cache reference on the same int8 weights; each int8 weight keeps its bf16/f32 weight's
-    split, and a column-split weight's scales are split with its columns."""
-    q8 = report["int8"]
+# (quantization, the scales' column axis): int8 has one scale per column [N], int4 one per group
+# and column [K / 32, N].
+@pytest.mark.parametrize("quantization, column_axis", [("int8", 0), ("int4", 1)])
+def test_quantized_weights_split_with_their_scales(report, quantization, column_axis):
+    """--quantization int8 or int4 (XLA's dot on 4-bit groups of 32) under tensor parallelism: the
+    same greedy tokens at every size as the no-cache reference on the same quantized weights; each
+    quantized weight keeps its bf16/f32 weight's split, and a column-split weight's scales are
+    split with its columns."""
+    quantized = report[quantization]
     for tp in map(str, SIZES):
-        assert q8["engine"][tp] == q8["reference"], f"int8 at TP {tp}"
+        assert quantized["engine"][tp] == quantized["reference"], f"{quantization} at TP {tp}"
     for tp in map(str, SIZES[1:]):
-        q_proj, down = q8["layout"][tp]["q_proj"], q8["layout"][tp]["down_proj"]
+        q_proj, down = quantized["layout"][tp]["q_proj"], quantized["layout"][tp]["down_proj"]
         assert q_proj["q"]["spec"] == report[NAMES[0]]["layout"][tp]["q_proj"]["spec"]
         assert down["q"]["spec"] == report[NAMES[0]]["layout"][tp]["down_proj"]["spec"]
         heads = _size(NAMES[0], "num_attention_heads")
         if heads % int(tp) == 0:  # q_proj's columns are split: so are its scales
-            assert q_proj["scale"]["shard_shapes"][0][0] == q_proj["scale"]["shape"][0] // int(tp)
-
-
-def test_int4_weights_split_with_their_group_scales(report):
-    """--quantization int4 (XLA's dot on 4-bit groups of 32) under tensor parallelism: the same
-    greedy tokens at every size as the no-cache reference on the same 4-bit weights; the values
-    keep the bf16/f32 weight's split and a column-split weight's group scales split with its
-    columns."""
-    q4 = report["int4"]
-    for tp in map(str, SIZES):
-        assert q4["engine"][tp] == q4["reference"], f"int4 at TP {tp}"
-    for tp in map(str, SIZES[1:]):
-        q_proj, down = q4["layout"][tp]["q_proj"], q4["layout"][tp]["down_proj"]
-        assert q_proj["q"]["spec"] == report[NAMES[0]]["layout"][tp]["q_proj"]["spec"]
-        assert down["q"]["spec"] == report[NAMES[0]]["layout"][tp]["down_proj"]["spec"]
-        heads = _size(NAMES[0], "num_attention_heads")
-        if heads % int(tp) == 0:  # q_proj's columns are split: so are its scales [K / 32, N]
-            assert q_proj["scale"]["shard_shapes"][0][1] == q_proj["scale"]["shape"][1] // int(tp)
+            scale = q_proj["scale"]
+            assert scale["shard_shapes"][0][column_axis] == scale["shape"][column_axis] // int(tp)
