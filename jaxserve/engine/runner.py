@@ -32,6 +32,36 @@ log = logging.getLogger("jaxserve.engine")
 # compiler state in host memory, so a few at a time, not all of them.
 COMPILE_THREADS = 4
 
+# XLA:GPU rematerializes (recomputes activations, duplicating kernels) when a program's estimated
+# peak exceeds its limit, and its estimate counts the donated KV cache twice: in and out, though
+# the step updates it in place. With a cache of 32 GB beside 16 GB of Llama-3-8B weights on an H100
+# every step was rematerialized ("Can't reduce memory use below ...": 80 GiB estimated against a
+# 57 GiB limit) and the batch-1 decode step ran 3% slower. The slop factor scales the limit (percent
+# of what the weights and cache leave); the engine sizes the cache after the measured scratch, so
+# the estimate is not needed as a guard.
+GPU_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": 1000}
+
+
+def min_product_rows(platform: str, dtype: Any, native_products: bool = False) -> int:
+    """Rows a step's products are padded to (one-token steps get a padding token, one-sequence
+    heads a padding row; the attention still runs on the real rows only).
+
+    XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about 10x
+    slower than with two rows (which go to the matmul library); the native kernel streams one row
+    at the memory's rate. XLA:GPU rewrites a single-row product with a weight of under 10M elements
+    (Llama-3-8B's k and v projections) as a multiply and a reduction that writes the weight-sized
+    product out, 3x a matmul's bytes (H100 trace, benchmarks/RESULTS.md); two rows stay a matmul."""
+    if platform == "gpu":
+        return 2
+    if platform == "cpu" and not native_products and jnp.dtype(dtype) == jnp.bfloat16:
+        return 2
+    return 1
+
+
+def compiler_options(platform: str) -> dict[str, Any] | None:
+    """XLA options for the engine's step programs on `platform` (None: the defaults)."""
+    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else None
+
 
 class ModelRunner:
     def __init__(
@@ -60,14 +90,9 @@ class ModelRunner:
                                      group=quantization_group, blocks=blocks, consume=take_weights)
         self.max_pages_per_seq = max_pages_per_seq
         self.num_slots = num_slots
-        cpu = jax.devices()[0].platform == "cpu"
-        # XLA:CPU computes a bfloat16 product with a single row in a plain loop at ~1.3 GB/s, about
-        # 10x slower than the same product with two rows (which goes to the matmul library), so on
-        # the CPU a bfloat16 step with XLA's products never multiplies a single row: one-token steps
-        # get a padding token and a one-sequence head gets a padding row. (The native kernel streams
-        # one row at the memory's rate.)
-        native = matmul_backend == "cpu" and cpu and _native_products_available()
-        min_rows = 2 if cpu and not native and jnp.dtype(decoder.dtype) == jnp.bfloat16 else 1
+        platform = jax.devices()[0].platform
+        native = matmul_backend == "cpu" and platform == "cpu" and _native_products_available()
+        min_rows = min_product_rows(platform, decoder.dtype, native)
         # Tensor parallelism is the loaded parameters' layout: weights on a mesh mean a sharded
         # step; weights on one device mean the plain single-device step.
         mesh = mesh_of(self.params)
@@ -107,9 +132,11 @@ class ModelRunner:
         seconds: dict[Key, float] = {}
         workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
 
+        options = compiler_options(jax.devices()[0].platform)
+
         def compile_one(key: Key, lowered: jax.stages.Lowered, lowering_seconds: float) -> tuple[Key, Any, float]:
             start = time.perf_counter()
-            return key, lowered.compile(), lowering_seconds + time.perf_counter() - start
+            return key, lowered.compile(compiler_options=options), lowering_seconds + time.perf_counter() - start
 
         with tqdm(total=len(keys), desc="compiling steps", unit="shape", disable=None) as bar, \
                 concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:

@@ -36,6 +36,8 @@ async def chat_completions(state: ServerState) -> Response:
     state.model_names.check(req.model)
     if req.continue_final_message:
         raise not_supported("continue_final_message", "continue_final_message")
+    if req.reasoning_max_tokens is not None:
+        raise not_supported("reasoning_max_tokens", "reasoning_max_tokens (no reasoning parser yet)")
     forced = forced_tools(req.tools, req.tool_choice)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")

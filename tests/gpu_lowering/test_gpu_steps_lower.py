@@ -44,7 +44,10 @@ def lowered():
     builder = StepInputBuilder(num_slots=65, vocab_size=cfg.vocab_size, page_size=16, max_pages_per_seq=512,
                                buckets=BucketTable(sched), max_prefill_seqs=8, decode_steps=4,
                                row_params=lambda seq: None)
-    programs = StepPrograms(graphdef, cfg, page_size=16, decode_steps=4, attention_backend="pallas_gpu")
+    from jaxserve.engine.runner import min_product_rows
+
+    programs = StepPrograms(graphdef, cfg, page_size=16, decode_steps=4, attention_backend="pallas_gpu",
+                            min_rows=min_product_rows("gpu", jnp.bfloat16))
     shape = KVCache.shape(cfg, 8192, 16)
     kv = KVCache(jax.ShapeDtypeStruct(shape, jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
     batch = abstract_batch(65, cfg.vocab_size, 512)
@@ -78,3 +81,15 @@ def test_the_cache_and_the_device_batch_are_donated(lowered, key):
     cache = [a for a in aliased if "32x8x8192x16x128xbf16" in a]
     assert len(cache) == 2, "both K and V are updated in place"
     assert len(aliased) >= 2 + 5  # the cache and every array of the device batch
+
+
+def test_a_one_sequence_decode_multiplies_two_rows_and_attends_with_the_decode_kernel(lowered):
+    """XLA:GPU rewrites a one-row product with a weight under 10M elements (k and v here) as a
+    multiply + reduce that writes the weight-sized product out (H100, benchmarks/RESULTS.md), so
+    batch-1 decode pads its products to two rows; the padding must not switch the attention to the
+    ragged kernel (37 us a layer on the H100 against the decode kernel's 6)."""
+    _, steps = lowered
+    text = steps[("decode", 1)].as_text()
+    weights = re.findall(r"stablehlo\.dot_general %\S+, %\S+.*?: \((tensor<[^>]*>), tensor<4096x1024xbf16>\)", text)
+    assert weights and all(re.fullmatch(r"tensor<(1x)?2x4096xbf16>", w) for w in weights), weights
+    assert "jaxserve_paged_decode" in text and "jaxserve_ragged_paged_attention" not in text
