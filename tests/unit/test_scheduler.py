@@ -57,11 +57,19 @@ class FakeEngine:
         plan = self.sched.schedule()
         for chunk in plan.prefills:
             self._compute(chunk.seq, chunk.start, chunk.end)
-        for seq in plan.decodes:
-            self._compute(seq, seq.num_computed_tokens, seq.num_tokens)
-        self.sched.advance(plan)
-        for seq in [c.seq for c in plan.prefills if c.samples] + plan.decodes:
+        decoded = {}
+        for seq in plan.decodes:  # up to plan.num_steps iterations, ending at the length, as the device loop
+            decoded[seq] = 0
+            while decoded[seq] < plan.num_steps and seq.num_tokens < seq.max_total_tokens:
+                start = seq.num_computed_tokens + decoded[seq]
+                self._compute(seq, start, start + 1)
+                seq.token_ids.append(next_token(seq.token_ids))
+                decoded[seq] += 1
+        sampled = [c.seq for c in plan.prefills if c.samples]
+        for seq in sampled:
             seq.token_ids.append(next_token(seq.token_ids))
+        self.sched.advance(plan, decoded)
+        for seq in sampled + plan.decodes:
             if seq.num_tokens >= seq.max_total_tokens:
                 self.sched.finish(seq, FinishReason.LENGTH)
         self.sched.check_integrity()
@@ -121,6 +129,38 @@ def test_max_num_seqs_bounds_running():
     while engine.sched.has_unfinished():
         plan = engine.step()
         assert engine.sched.num_running <= 2 and len(plan.decodes) + len(plan.prefills) <= 2
+
+
+def test_a_blocked_queue_keeps_the_decode_loop():
+    """Waiting sequences that cannot be admitted this step (no free row here; no free pages under a
+    full cache) gain nothing from single steps: decoding keeps its device loop (an H100 serving 256
+    requests ran one-token steps from its first preemption on). One that can be admitted is
+    admitted, and that step is a single one."""
+    engine = FakeEngine(max_num_seqs=2, decode_steps=4)
+    seqs = [engine.submit(prompt(3, 10 * i), max_tokens=13)[0] for i in range(3)]
+    assert [c.seq for c in engine.step().prefills] == seqs[:2]
+    plan = engine.step()
+    assert plan.decodes == seqs[:2] and engine.sched.num_waiting == 1 and plan.num_steps == 4
+    while seqs[2].status is SequenceStatus.WAITING:
+        plan = engine.step()
+    assert [c.seq for c in plan.prefills] == [seqs[2]] and plan.num_steps == 1
+    engine.run()
+    assert [s.token_ids[3:] for s in seqs] == [expected_output(s.token_ids[:3], 13) for s in seqs]
+
+
+def test_a_nearly_full_cache_halves_the_decode_loop_instead_of_dropping_it():
+    """Pages for 8 iterations short but for 4 free: the step runs 4, not 1."""
+    engine = FakeEngine(num_pages=16, page_size=4, decode_steps=8, prefix_caching=False)  # 15 usable
+    a = engine.submit(prompt(5), max_tokens=20)[0]
+    b = engine.submit(prompt(44, 100), max_tokens=2)[0]
+    engine.step()  # prefills: a holds 2 pages, b 11
+    # b's next token takes the 14th page, leaving one: 8 iterations of a would write positions
+    # 5..12 (two more pages), 4 write 5..8 (one).
+    plan = engine.step()
+    assert set(plan.decodes) == {a, b} and plan.num_steps == 4 and not plan.preempted
+    engine.run()
+    assert a.token_ids[5:] == expected_output(prompt(5), 20)
+    assert b.token_ids[44:] == expected_output(prompt(44, 100), 2)
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():
