@@ -27,6 +27,7 @@ from jaxserve.config import (
     StructuredOutputConfig,
     default_cache_dir,
 )
+from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 
 log = logging.getLogger("jaxserve")
 
@@ -229,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "ends with finish_reason 'timeout' (default: no limit)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests "
                    "get to finish before they are aborted")
+    s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None, help="return a reasoning "
+                   "model's think block as reasoning_content beside the answer (chat completions, whole and "
+                   "streamed), counted in usage.completion_tokens_details.reasoning_tokens: deepseek_r1 "
+                   "(DeepSeek-R1 and distills: the output starts in the block) or qwen3 (a block the output or "
+                   "the template opens). Default: none, the think block stays in content (as it does on the other "
+                   "routes)")
     s.add_argument("--max-n", type=int, default=128, help="largest n / best_of per request")
     g = p.add_argument_group("structured output (regex, JSON schema, choice, grammar)")
     g.add_argument("--structured-output-timeout", type=float, default=30.0, help="seconds a regex / JSON schema "
@@ -392,6 +399,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_n=args.max_n,
+            reasoning_parser=args.reasoning_parser,
             structured=StructuredOutputConfig(
                 timeout_s=args.structured_output_timeout,
                 max_mib=args.structured_output_max_mib,
@@ -513,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           engine.info.max_model_len, api_keys=srv.api_keys,
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
-                          structured=srv.structured, warm_structured=True)
+                          structured=srv.structured, warm_structured=True,
+                          reasoning_parser=srv.reasoning_parser)
 
     srv = config.server
     try:

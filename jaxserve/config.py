@@ -92,6 +92,7 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds; None = no deadline
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_n: int = 128
+    reasoning_parser: str | None = None  # jaxserve.server.reasoning.PARSERS; None: no splitting
     structured: "StructuredOutputConfig" = dataclasses.field(default_factory=lambda: StructuredOutputConfig())
 
 

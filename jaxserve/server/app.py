@@ -25,6 +25,7 @@ from jaxserve.server.base_app import (
 from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
+from jaxserve.server.reasoning import check_parser
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.server")
@@ -41,6 +42,7 @@ def create_app(
     request_timeout: float | None = None,
     structured: StructuredOutputConfig = StructuredOutputConfig(),
     warm_structured: bool = False,
+    reasoning_parser: str | None = None,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -50,7 +52,7 @@ def create_app(
         engine=async_engine, tokenizer=tokenizer, model_names=names,
         max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
         metrics=_metrics(names.primary, async_engine),
-        structured=structured,
+        structured=structured, reasoning_parser=check_parser(reasoning_parser),
     )
     app = base_app(state, api_keys, max_request_bytes,
                    healthy=lambda: not state.draining and async_engine.error is None)

@@ -46,6 +46,7 @@ class ServerState:
     request_timeout: float | None
     metrics: Metrics
     structured: StructuredOutputConfig = StructuredOutputConfig()
+    reasoning_parser: str | None = None  # --reasoning-parser (jaxserve.server.reasoning)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False
