@@ -23,7 +23,7 @@ out_len=${OUTPUT_LEN:-1024}
 port=${PORT:-8011}
 py=${PYTHON:-python3}
 mkdir -p "$out"
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1  # the server takes 0.92 of the GPU (--gpu-memory-utilization)
 
 # Room for prompt + output and a few tokens more.
 "$py" -m jaxserve --model "$model" --load-format dummy --dtype bfloat16 --port "$port" \

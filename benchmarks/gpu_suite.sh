@@ -66,7 +66,10 @@ if [[ -z "${DRY_RUN:-}" ]]; then
 fi
 # XLA preallocates 75% of the GPU by default: 60 GB of an H100 holds the 16 GB of weights but not
 # also the 34 GB cache the step profile's batch of 256 x 1000 tokens needs.
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+if [[ -z "${XLA_PYTHON_CLIENT_MEM_FRACTION:-}" ]]; then  # jax refuses the old and the new name together
+  export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.92}
+fi
 
 if wanted correctness; then
   run correctness 180 "$py" -m pytest -q -p no:cacheprovider -x tests/kernels/test_pallas_kernels.py \

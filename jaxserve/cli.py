@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "left after loading the weights that the KV cache takes (GPU/TPU)")
     e.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of each GPU's memory "
                    f"jaxserve's XLA allocator takes at start-up (default {GPU_MEMORY_UTILIZATION}, or "
-                   "XLA_PYTHON_CLIENT_MEM_FRACTION when set; XLA's own default is 0.75). The weights, the steps' "
+                   "XLA_CLIENT_MEM_FRACTION when set; XLA's own default is 0.75). The weights, the steps' "
                    "scratch and the KV cache live in it; the rest is left to CUDA and other processes")
     e.add_argument("--cpu-kv-cache-gib", type=float, default=2.0, help="KV-cache size on the CPU, in GiB")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV pages of shared "
@@ -440,15 +440,18 @@ GPU_MEMORY_UTILIZATION = 0.92
 
 
 def apply_gpu_memory_utilization(fraction: float | None, environ: dict[str, str] | None = None) -> None:
-    """Set XLA's GPU memory fraction before any backend starts: the flag's value, else the
-    environment's XLA_PYTHON_CLIENT_MEM_FRACTION, else GPU_MEMORY_UTILIZATION."""
+    """Set XLA's GPU memory fraction before any backend starts: the flag's value, else what the
+    environment already says (XLA_CLIENT_MEM_FRACTION, or its deprecated name
+    XLA_PYTHON_CLIENT_MEM_FRACTION), else GPU_MEMORY_UTILIZATION. jax refuses both names at once,
+    so the flag replaces either."""
     env = os.environ if environ is None else environ
     if fraction is not None:
         if not 0 < fraction <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
-    else:
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_MEMORY_UTILIZATION))
+        env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+        env["XLA_CLIENT_MEM_FRACTION"] = str(fraction)
+    elif "XLA_CLIENT_MEM_FRACTION" not in env and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env:
+        env["XLA_CLIENT_MEM_FRACTION"] = str(GPU_MEMORY_UTILIZATION)
 
 
 def skip_absent_tpu(environ: dict[str, str] | None = None) -> None:

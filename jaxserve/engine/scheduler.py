@@ -193,8 +193,9 @@ class Scheduler:
             self._admit(plan, budget)
         # Several decode iterations only when nothing else needs the host between them. Waiting
         # sequences that _admit could not take (no free row, no pages) do not: a row that ends
-        # inside the loop frees its row and pages when the loop returns, so they wait at most
-        # decode_steps - 1 iterations longer, where single steps cost a host round trip a token. (At 256 concurrent requests on an H100 every step after the first preemption
+        # inside the loop frees its row and pages when the loop returns, so they wait a loop's
+        # iterations longer (two loops for a stop string, found a step late under overlap), where
+        # single steps cost a host round trip a token. (At 256 concurrent requests on an H100 every step after the first preemption
         # ran one iteration while the preempted waited for pages.)
         if plan.decodes and not plan.prefills and not plan.preempted:
             plan.num_steps = self._decode_steps(plan.decodes)
@@ -210,16 +211,15 @@ class Scheduler:
         if steps <= 1 or not all(s.runs_unattended for s in decodes):
             return 1
         # Under a nearly full cache the pages for all `steps` may not be free while those for fewer
-        # are: halve until they fit rather than fall back to one iteration at once.
-        while steps > 1:
-            want = {s: self.allocator.pages_for(min(s.num_tokens + steps - 1, s.max_total_tokens)) - len(s.pages)
+        # are: the most iterations whose pages fit, rather than one at once.
+        for k in range(steps, 1, -1):
+            want = {s: self.allocator.pages_for(min(s.num_tokens + k - 1, s.max_total_tokens)) - len(s.pages)
                     for s in decodes}
             if self.allocator.can_allocate(sum(want.values())):
                 for seq, num_new in want.items():
                     if num_new > 0:
                         seq.pages.extend(self.allocator.allocate(num_new))
-                return steps
-            steps //= 2
+                return k
         return 1
 
     def _admit(self, plan: SchedulerOutput, budget: int) -> None:

@@ -4,6 +4,7 @@ template, forced tool calls, and the stream of chat.completion.chunk deltas. The
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -64,11 +65,12 @@ async def chat_completions(state: ServerState) -> Response:
         # reasoning_content); applied only after the block ends is issue 20's work.
         raise not_supported(constraint.param, f"{constraint.param} with --reasoning-parser")
     await attach_grammar(state, params, constraint)
-    opened = (state.reasoning_parser is not None
-              and reasoning.opens_in_reasoning(state.reasoning_parser, state.tokenizer.decode(prompt[-16:])))
     request_id = new_id("chatcmpl")
     async with state.admit() as flight:
         await flight.submit(request_id, prompt, params, req.priority)
+        # After submit, which refuses token ids outside the vocabulary (decoding them would raise).
+        opened = (state.reasoning_parser is not None
+                  and reasoning.opens_in_reasoning(state.reasoning_parser, state.tokenizer.decode(prompt[-16:])))
         if req.stream:
             return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams,
                                                                 forced, opened)))
@@ -93,9 +95,10 @@ async def chat_completions(state: ServerState) -> Response:
             "choices": choices, "usage": usage(len(prompt), sum(len(o.token_ids) for o in res.outputs),
                                               res.num_cached_tokens),
             "system_fingerprint": None}
-    if state.reasoning_parser is not None:
-        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": sum(
-            reasoning.reasoning_tokens(o.token_ids, state.tokenizer.decode, opened) for o in res.outputs)}
+    if state.reasoning_parser is not None:  # a few full decodes per output: off the event loop
+        counts = await asyncio.to_thread(lambda: [reasoning.reasoning_tokens(o.token_ids, state.tokenizer.decode,
+                                                                             opened) for o in res.outputs])
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
@@ -124,12 +127,15 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
     closed_at: dict[int, int] = {}  # reasoning tokens of an output whose block has closed
 
     def reasoning_count(i: int) -> int:
-        # Counted once when the block closes (a search over the output's prefixes); before that,
-        # every token so far is reasoning if the output is inside the block.
-        stream, ids = thinking[i], output_ids[i]
-        if not stream.ended:
-            return len(ids) if stream.reasoned or opened else 0
+        # From the tokens' own text, not the streamed text (which the detokenizer may still hold
+        # back for a stop string): the same count as the whole reply's, and it never goes down.
+        # Searched once when the block closes; before that every token is reasoning if inside it.
         if i not in closed_at:
+            ids = output_ids[i]
+            probe = reasoning.ReasoningStream(opened)
+            probe.feed(state.tokenizer.decode(ids))
+            if not probe.ended:
+                return len(ids) if probe.reasoned or opened else 0
             closed_at[i] = reasoning.reasoning_tokens(ids, state.tokenizer.decode, opened)
         return closed_at[i]
 

@@ -34,11 +34,11 @@ def check_parser(name: str | None) -> str | None:
 
 
 def opens_in_reasoning(parser: str, prompt_text: str) -> bool:
-    """Whether the output starts inside the think block: always for deepseek_r1; for qwen3 when
-    the prompt itself ends in an open `<think>` (the template opened it)."""
-    if parser == "deepseek_r1":
-        return True
+    """Whether the output starts inside the think block: for deepseek_r1 unless the prompt ends
+    in `</think>`; for qwen3 when the prompt itself ends in an open `<think>` (the template opened it)."""
     tail = prompt_text.rstrip()
+    if parser == "deepseek_r1":  # unless a hybrid template closed the block itself (thinking off)
+        return not tail.endswith(END)
     return tail.endswith(START)
 
 
@@ -83,7 +83,7 @@ class ReasoningStream:
                     self._held = buf[len(buf) - keep:]
                     return reasoning, content
             elif self._state == "answer_start":
-                stripped = buf.lstrip("\n")
+                stripped = buf.lstrip("\r\n")
                 if not stripped:
                     return reasoning, content  # only blank lines so far: dropped
                 buf, self._state = stripped, "answer"

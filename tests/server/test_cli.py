@@ -217,12 +217,13 @@ def test_gpu_memory_utilization_sets_xla_fraction_before_start():
 
     env: dict[str, str] = {}
     apply_gpu_memory_utilization(None, env)
-    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(GPU_MEMORY_UTILIZATION)}
-    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    apply_gpu_memory_utilization(None, env)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
-    apply_gpu_memory_utilization(0.8, env)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+    assert env == {"XLA_CLIENT_MEM_FRACTION": str(GPU_MEMORY_UTILIZATION)}
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # the current and the old name
+        env = {name: "0.5"}
+        apply_gpu_memory_utilization(None, env)
+        assert env == {name: "0.5"}
+        apply_gpu_memory_utilization(0.8, env)  # jax refuses both names at once: the flag replaces either
+        assert env == {"XLA_CLIENT_MEM_FRACTION": "0.8"}
     for bad in (0.0, 1.5):
         with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
             apply_gpu_memory_utilization(bad, {})

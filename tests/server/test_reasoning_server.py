@@ -86,3 +86,7 @@ def test_constraints_and_reasoning_max_tokens_are_refused_with_a_parser(servers)
                         ({"reasoning_max_tokens": 10}, "reasoning_max_tokens")]:
         r = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": PLAIN, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # Token ids outside the vocabulary are refused before the parser decodes the prompt's tail.
+    r = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": PLAIN, "prompt_token_ids": [10**10]},
+                   timeout=60)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text

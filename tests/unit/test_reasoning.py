@@ -27,6 +27,10 @@ CASES = [
      "Hello! How can I help?"),
     # Qwen3 under a template that opens the block itself.
     ("qwen3", "<|im_start|>assistant\n<think>\n", "Short.\n</think>\n\nHi.", "Short.\n", "Hi."),
+    # A hybrid template with thinking off closes the block in the prompt: deepseek_r1 output is answer.
+    ("deepseek_r1", "<｜Assistant｜></think>", "Hello.", None, "Hello."),
+    # Windows line ends after the block are dropped like "\n".
+    ("qwen3", "assistant\n", "<think>x</think>\r\n\r\nHi", "x", "Hi"),
     # Text that looks like a tag's start but is not one stays where it is.
     ("qwen3", "assistant\n", "<thin ice>", None, "<thin ice>"),
     ("deepseek_r1", "", "a </thinker> b</think>c", "a </thinker> b", "c"),

@@ -148,16 +148,16 @@ def test_a_blocked_queue_keeps_the_decode_loop():
     assert [s.token_ids[3:] for s in seqs] == [expected_output(s.token_ids[:3], 13) for s in seqs]
 
 
-def test_a_nearly_full_cache_halves_the_decode_loop_instead_of_dropping_it():
-    """Pages for 8 iterations short but for 4 free: the step runs 4, not 1."""
+def test_a_nearly_full_cache_shortens_the_decode_loop_instead_of_dropping_it():
+    """Pages for 8 iterations short but for 7 free: the step runs 7, not 1."""
     engine = FakeEngine(num_pages=16, page_size=4, decode_steps=8, prefix_caching=False)  # 15 usable
     a = engine.submit(prompt(5), max_tokens=20)[0]
     b = engine.submit(prompt(44, 100), max_tokens=2)[0]
     engine.step()  # prefills: a holds 2 pages, b 11
     # b's next token takes the 14th page, leaving one: 8 iterations of a would write positions
-    # 5..12 (two more pages), 4 write 5..8 (one).
+    # 5..12 (two more pages), 7 write 5..11 (one).
     plan = engine.step()
-    assert set(plan.decodes) == {a, b} and plan.num_steps == 4 and not plan.preempted
+    assert set(plan.decodes) == {a, b} and plan.num_steps == 7 and not plan.preempted
     engine.run()
     assert a.token_ids[5:] == expected_output(prompt(5), 20)
     assert b.token_ids[44:] == expected_output(prompt(44, 100), 2)
