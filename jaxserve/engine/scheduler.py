@@ -195,8 +195,8 @@ class Scheduler:
         # sequences that _admit could not take (no free row, no pages) do not: a row that ends
         # inside the loop frees its row and pages when the loop returns, so they wait a loop's
         # iterations longer (two loops for a stop string, found a step late under overlap), where
-        # single steps cost a host round trip a token. (At 256 concurrent requests on an H100 every step after the first preemption
-        # ran one iteration while the preempted waited for pages.)
+        # single steps cost a host round trip a token. (At 256 concurrent requests on an H100 every
+        # step after the first preemption ran one iteration while the preempted waited for pages.)
         if plan.decodes and not plan.prefills and not plan.preempted:
             plan.num_steps = self._decode_steps(plan.decodes)
         plan.removed, self._freed = self._freed, []

@@ -122,21 +122,18 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
     total = _Usage([prompt])
     parser = state.reasoning_parser
     thinking = {i: reasoning.ReasoningStream(opened) for i in range(req.n)} if parser is not None else {}
-    output_ids: dict[int, list[int]] = {i: [] for i in range(req.n)}
-
+    output_ids: dict[int, list[int]] = {i: [] for i in range(req.n)}  # with a parser: for reasoning_tokens
     closed_at: dict[int, int] = {}  # reasoning tokens of an output whose block has closed
 
     def reasoning_count(i: int) -> int:
         # From the tokens' own text, not the streamed text (which the detokenizer may still hold
         # back for a stop string): the same count as the whole reply's, and it never goes down.
-        # Searched once when the block closes; before that every token is reasoning if inside it.
+        # Kept once the block has closed.
         if i not in closed_at:
-            ids = output_ids[i]
-            probe = reasoning.ReasoningStream(opened)
-            probe.feed(state.tokenizer.decode(ids))
-            if not probe.ended:
-                return len(ids) if probe.reasoned or opened else 0
-            closed_at[i] = reasoning.reasoning_tokens(ids, state.tokenizer.decode, opened)
+            count, closed = reasoning.count_reasoning_tokens(output_ids[i], state.tokenizer.decode, opened)
+            if not closed:
+                return count
+            closed_at[i] = count
         return closed_at[i]
 
     def usage_body() -> dict[str, Any]:
@@ -171,9 +168,9 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
                         message = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                     elif o.finish_reason is not None:
                         text = held[o.index]
-                output_ids[o.index].extend(o.token_ids)
                 thought = ""
                 if parser is not None:
+                    output_ids[o.index].extend(o.token_ids)
                     thought, text = thinking[o.index].feed(text)
                     if o.finish_reason is not None:
                         more_thought, more_text = thinking[o.index].finish()

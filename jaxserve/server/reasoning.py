@@ -117,12 +117,19 @@ def reasoning_tokens(token_ids: Sequence[int], decode: Callable[[Sequence[int]],
     """Output tokens spent reasoning: up to and including the one that completes `</think>`, or all
     of them while the block is open at the end; 0 when the output never reasoned. (Whole tokens:
     a token that ends the tag and starts the answer counts as reasoning.)"""
+    return count_reasoning_tokens(token_ids, decode, opened)[0]
+
+
+def count_reasoning_tokens(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
+                           opened: bool) -> tuple[int, bool]:
+    """(reasoning_tokens of these tokens, whether their text has closed the block): once closed,
+    later tokens cannot change the count, so a stream may keep it."""
     if not token_ids:
-        return 0
+        return 0, False
     stream = ReasoningStream(opened)
     stream.feed(decode(token_ids))
     if not stream.ended:
-        return len(token_ids) if stream.reasoned or opened else 0
+        return (len(token_ids) if stream.reasoned or opened else 0), False
     lo, hi = 1, len(token_ids)  # the shortest prefix whose text closes the block
     while lo < hi:
         mid = (lo + hi) // 2
@@ -132,4 +139,4 @@ def reasoning_tokens(token_ids: Sequence[int], decode: Callable[[Sequence[int]],
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    return lo, True
