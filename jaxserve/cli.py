@@ -28,6 +28,7 @@ from jaxserve.config import (
     default_cache_dir,
 )
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
+from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 log = logging.getLogger("jaxserve")
 
@@ -236,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(DeepSeek-R1 and distills: the output starts in the block) or qwen3 (a block the output or "
                    "the template opens). Default: none, the think block stays in content (as it does on the other "
                    "routes)")
+    s.add_argument("--tool-call-parser", choices=("auto", *TOOL_PARSERS), default=None, help="read tool calls "
+                   "in the model's own syntax for tool_choice 'auto' (chat completions: message.tool_calls and "
+                   "streamed delta.tool_calls), with each call's arguments constrained to its tool's JSON schema "
+                   "once the model opens it: hermes (Qwen2.5/Qwen3/Hermes <tool_call>), llama3_json (Llama 3.1-3.3 "
+                   "JSON), mistral ([TOOL_CALLS]), qwen3_coder (Qwen3-Coder XML), pythonic (Llama 3.2/4 [f(a=1)]), "
+                   "or auto (chosen from the chat template). Default: none, tool_choice 'auto' answers in text")
+    s.add_argument("--enable-auto-tool-choice", action="store_true", help="vLLM's switch for tool_choice "
+                   "'auto': here it means --tool-call-parser auto unless a parser is named")
     s.add_argument("--max-n", type=int, default=128, help="largest n / best_of per request")
     g = p.add_argument_group("structured output (regex, JSON schema, choice, grammar)")
     g.add_argument("--structured-output-timeout", type=float, default=30.0, help="seconds a regex / JSON schema "
@@ -400,6 +409,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             shutdown_timeout=args.shutdown_timeout,
             max_n=args.max_n,
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser or ("auto" if args.enable_auto_tool_choice else None),
             structured=StructuredOutputConfig(
                 timeout_s=args.structured_output_timeout,
                 max_mib=args.structured_output_max_mib,
@@ -525,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
                           structured=srv.structured, warm_structured=True,
-                          reasoning_parser=srv.reasoning_parser)
+                          reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser)
 
     srv = config.server
     try:

@@ -93,6 +93,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_n: int = 128
     reasoning_parser: str | None = None  # jaxserve.server.reasoning.PARSERS; None: no splitting
+    tool_call_parser: str | None = None  # jaxserve.server.tool_parsers.PARSERS or "auto"; None: no parsing
     structured: "StructuredOutputConfig" = dataclasses.field(default_factory=lambda: StructuredOutputConfig())
 
 

@@ -15,7 +15,7 @@ from quart import Quart
 
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server import classify, openai, sglang, triton
+from jaxserve.server import classify, openai, sglang, tool_parsers, triton
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -43,6 +43,7 @@ def create_app(
     structured: StructuredOutputConfig = StructuredOutputConfig(),
     warm_structured: bool = False,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -53,7 +54,12 @@ def create_app(
         max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests, request_timeout=request_timeout,
         metrics=_metrics(names.primary, async_engine),
         structured=structured, reasoning_parser=check_parser(reasoning_parser),
+        tool_parser=(tool_parsers.resolve(tool_call_parser, tokenizer.chat_template, async_engine.info.architecture)
+                     if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
     )
+    if state.tool_parser is not None:
+        log.info("tool calls for tool_choice 'auto' read with the %s parser%s", state.tool_parser,
+                 " (chosen from the chat template / architecture)" if tool_call_parser == "auto" else "")
     app = base_app(state, api_keys, max_request_bytes,
                    healthy=lambda: not state.draining and async_engine.error is None)
     if warm_structured:

@@ -47,6 +47,7 @@ class ServerState:
     metrics: Metrics
     structured: StructuredOutputConfig = StructuredOutputConfig()
     reasoning_parser: str | None = None  # --reasoning-parser (jaxserve.server.reasoning)
+    tool_parser: str | None = None  # --tool-call-parser, resolved (jaxserve.server.tool_parsers)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, AsyncIterator, TypeVar
 
@@ -293,8 +294,12 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
 
 # ---- chat templates (chat completions: jaxserve.server.openai_chat) -------------------------------
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content parts joined into one string."""
+    """Messages as chat templates expect them: content parts joined into one string, tool calls'
+    arguments as objects (OpenAI sends JSON text; HF templates write `arguments | tojson`), an
+    assistant turn that only called tools with "" content (Qwen3's template cannot test None).
+    Tool turns must answer a call made before them."""
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
@@ -304,8 +309,41 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     raise not_supported(f"messages[{i}].content", f"content part type {part.type!r}")
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise ApiError(400, f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                               f"messages[{i}].tool_calls")
+            d["tool_calls"] = [_template_call(i, k, c) for k, c in enumerate(m.tool_calls)]
+            call_ids |= {c["id"] for c in d["tool_calls"] if isinstance(c.get("id"), str)}
+            d.setdefault("content", "")
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id: a tool message must name the call it answers",
+                               f"messages[{i}].tool_call_id")
+            if call_ids and m.tool_call_id not in call_ids:
+                raise ApiError(400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no tool call made "
+                               "by an earlier assistant message", f"messages[{i}].tool_call_id")
+            if m.content is None:
+                raise ApiError(400, f"messages[{i}].content: a tool message needs the call's result",
+                               f"messages[{i}].content")
         out.append(d)
     return out
+
+
+def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
+    where = f"messages[{i}].tool_calls[{k}]"
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ApiError(400, f"{where}.function: expected {{\"name\": ..., \"arguments\": ...}}", where)
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{where}.function.arguments: not JSON ({e})", f"{where}.function.arguments") from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments: expected a JSON object", f"{where}.function.arguments")
+    return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": arguments}}
 
 
 def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

@@ -20,10 +20,16 @@ response is kept, so what needs a stored object is refused with a 400 naming it:
 `item_reference` input items. Refused too, as they would otherwise be ignored: non-empty `tools`
 and a `tool_choice` other than "none"/"auto" (tool calling comes separately), function_call and
 other non-message input items, image/file/audio parts, `reasoning` asking for effort or summaries
-(the served models do not reason), `text.verbosity` other than "medium", `truncation: "auto"` (an
+(the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
 input that does not fit is refused, never cut), a `service_tier` other than "auto"/"default",
 `stream_options.include_obfuscation: true`. Unlike chat completions, unknown fields are refused
 rather than ignored: every field a Responses client sends is either honoured or named in a 400.
+
+Under --reasoning-parser the think block is a `reasoning` output item (its text as `reasoning_text`
+content, no summary) before the message, streamed as `response.reasoning_text.delta` events; its
+tokens are counted in `output_tokens_details.reasoning_tokens`, `text.format` binds only the answer
+after it, and the message's logprobs are the answer's tokens'. Reasoning items sent back in `input`
+become the next assistant message's `reasoning_content` (what chat templates read).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,10 +46,11 @@ from quart import Response, jsonify
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.server import sampling, sse
+from jaxserve.server import reasoning, sampling, sse
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import Flight, ServerState, attach_grammar
 from jaxserve.server.openai import chat_logprobs, parse
+from jaxserve.structured import compose
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.tokenizer import ChatTemplateError
@@ -121,7 +128,7 @@ _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
     ("tool_choice", lambda r: r.tool_choice not in (None, "none", "auto"),
      "only 'none' and 'auto' are accepted while tools are not supported"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
-     "the served model does not reason; only effort 'none' (or null) is accepted"),
+     "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
     ("text.verbosity", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
      "only 'medium' is accepted: the served model has no verbosity control"),
     ("truncation", lambda r: r.truncation == "auto",
@@ -150,19 +157,38 @@ _ITEM_WHY = {
     "function_call": "tool calling is not supported yet",
     "function_call_output": "tool calling is not supported yet",
     "item_reference": "nothing is stored to refer to",
-    "reasoning": "the served model does not reason",
+    "reasoning": "the served model is not served with --reasoning-parser",
 }
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it, `instructions` first as a system message."""
+def chat_messages(req: ResponsesRequest, reasons: bool = False) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it, `instructions` first as a system message;
+    with a reasoning model, reasoning items go to the next assistant message."""
     if req.input is None:
         raise ApiError(400, "input: required (nothing is stored to continue from)", "input")
     if not req.input:
         raise ApiError(400, "input: must not be empty", "input")
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    return head + [_message(item, f"input[{i}]") for i, item in enumerate(items)]
+    out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    thought: list[str] = []
+    for i, item in enumerate(items):
+        if reasons and isinstance(item, dict) and item.get("type") == "reasoning":
+            thought.append(_reasoning_text(item, f"input[{i}]"))
+            continue
+        message = _message(item, f"input[{i}]")
+        if thought and message["role"] == "assistant":
+            message["reasoning_content"] = "\n".join(thought)
+            thought = []
+        out.append(message)
+    return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text"
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise ApiError(400, f"{where}.content: expected reasoning_text parts", f"{where}.content")
+    return "".join(p["text"] for p in parts)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, str]:
@@ -192,7 +218,8 @@ def _part_text(part: Any, where: str) -> str:
 
 def prompt_ids(state: ServerState, req: ResponsesRequest) -> list[int]:
     try:
-        return state.tokenizer.encode_chat(chat_messages(req), add_generation_prompt=True)
+        return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None),
+                                           add_generation_prompt=True)
     except ChatTemplateError as e:
         raise ApiError(400, f"chat template: {e}", "input") from e
 
@@ -238,37 +265,65 @@ async def submit(flight: Flight, request_id: str, prompt: list[int], params: Sam
 
 # ---- the Response object ------------------------------------------------------------------------
 class Reply:
-    """One response as it is generated: its text so far, and its Response object at any point."""
+    """One response as it is generated: its reasoning and answer so far, and its Response object
+    at any point."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, num_prompt: int, fmt: dict[str, Any]):
+    def __init__(self, state: ServerState, req: ResponsesRequest, num_prompt: int, fmt: dict[str, Any],
+                 opened: bool = False):
         self.state, self.req, self.num_prompt, self.fmt = state, req, num_prompt, fmt
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"  # OpenAI's spelling
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.completed_at: int | None = None
-        self.text = ""
-        self.logprobs: list[dict[str, Any]] = []
+        self.text = ""  # the answer
+        self.reasoning = ""  # the think block's text (with a reasoning parser)
+        self.opened = opened
+        self.thinking = reasoning.ReasoningStream(opened) if state.reasoning_parser is not None else None
+        self.token_ids: list[int] = []
+        self.token_logprobs: list[dict[str, Any]] = []  # one per output token
         self.num_output = self.num_cached = 0
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.num_top = req.top_logprobs or 0
 
-    def add(self, delta: RequestOutput) -> tuple[str, list[dict[str, Any]]]:
-        """Take one engine delta; its new text and logprobs."""
+    def add(self, delta: RequestOutput) -> tuple[str, str, list[dict[str, Any]]]:
+        """Take one engine delta; its new reasoning, answer text, and the answer's new logprobs."""
         self.num_cached = delta.num_cached_tokens
-        text, logprobs = "", []
+        text, sent = "", len(self.logprobs)
         for o in delta.outputs:
             text += o.text
             self.num_output += len(o.token_ids)
+            self.token_ids += o.token_ids
             if o.logprobs is not None:
-                logprobs += chat_logprobs(self.state, o.logprobs, self.num_top)["content"]
+                self.token_logprobs += chat_logprobs(self.state, o.logprobs, self.num_top)["content"]
             if o.finish_reason is not None:
                 self.finish_reason = o.finish_reason
                 self.completed_at = int(time.time())
                 if o.finish_reason not in ("stop", "length"):  # aborted, or cut by --request-timeout
                     self.fail(f"generation ended early: {o.stop_reason or o.finish_reason}")
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text)
+            if self.finish_reason is not None:
+                more_thought, more_text = self.thinking.finish()
+                thought, text = thought + more_thought, text + more_text
+        self.reasoning += thought
         self.text += text
-        self.logprobs += logprobs
-        return text, logprobs
+        return thought, text, self.logprobs[sent:]
+
+    def reasoning_tokens(self) -> tuple[int, bool]:
+        """(output tokens spent thinking, whether the block has closed)."""
+        if self.thinking is None:
+            return 0, False
+        return reasoning.count_reasoning_tokens(self.token_ids, self.state.tokenizer.decode, self.opened)
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]]:
+        """The answer's tokens' logprobs: none while the think block is open."""
+        count, closed = self.reasoning_tokens()
+        if self.thinking is not None and count and not closed:
+            return []
+        return self.token_logprobs[count:]
 
     def fail(self, message: str) -> None:
         self.error = {"code": "server_error", "message": message}
@@ -287,6 +342,17 @@ class Reply:
         content = [] if status == "in_progress" else [self.part()]  # the part is announced by its own events
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
+    def reasoning_item(self, done: bool) -> dict[str, Any]:
+        status = "in_progress" if not done else ("completed" if self.status != "failed" else "incomplete")
+        if done and self.thinking is not None and not self.thinking.ended:
+            status = "incomplete"  # cut off while thinking
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": self.reasoning}] if done else [],
+                "encrypted_content": None}
+
+    def output(self) -> list[dict[str, Any]]:
+        return ([self.reasoning_item(True)] if self.reasoning else []) + [self.item()]
+
     def body(self) -> dict[str, Any]:
         req, status = self.req, self.status
         done = status != "in_progress"
@@ -294,7 +360,7 @@ class Reply:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": self.completed_at if status == "completed" else None, "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.state.model_name, "output": [self.item()] if done else [],
+            "model": self.state.model_name, "output": self.output() if done else [],
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
@@ -311,7 +377,8 @@ class Reply:
         # No prompt-cache writes are billed here, so cache_write_tokens is always 0.
         return {"input_tokens": self.num_prompt,
                 "input_tokens_details": {"cached_tokens": self.num_cached, "cache_write_tokens": 0},
-                "output_tokens": self.num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": self.num_output,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()[0]},
                 "total_tokens": self.num_prompt + self.num_output}
 
 
@@ -319,33 +386,60 @@ _LAST_EVENT = {"completed": "response.completed", "incomplete": "response.incomp
 
 
 async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
-    """The Responses event stream: lifecycle, one message item with one output_text part, its
-    deltas, then the closing events; a failure mid-stream sends `error`, then response.failed."""
+    """The Responses event stream: lifecycle; a reasoning item with its reasoning_text deltas if
+    the model thinks; one message item with one output_text part and its deltas; the closing
+    events. A failure mid-stream sends `error`, then response.failed."""
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> bytes:
         return b"event: " + kind.encode() + b"\n" + sse.event({"type": kind, "sequence_number": next(numbers),
                                                                 **fields})
 
-    where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+    index = {"message": None}  # the message's output_index, once announced
+
+    def where() -> dict[str, Any]:
+        return {"item_id": reply.item_id, "output_index": index["message"], "content_index": 0}
+
+    thinking = {"item_id": reply.reasoning_id, "output_index": 0, "content_index": 0}
+
+    def open_message() -> Iterator[bytes]:
+        if index["message"] is not None:
+            return
+        if reply.reasoning:  # the think block is over: its item closes before the answer's opens
+            yield event("response.reasoning_text.done", **thinking, text=reply.reasoning)
+            yield event("response.output_item.done", output_index=0, item=reply.reasoning_item(True))
+        index["message"] = 1 if reply.reasoning else 0
+        yield event("response.output_item.added", output_index=index["message"], item=reply.item())
+        yield event("response.content_part.added", **where(), part=reply.part())  # empty so far
+
     yield event("response.created", response=reply.body())
     yield event("response.in_progress", response=reply.body())
-    yield event("response.output_item.added", output_index=0, item=reply.item())
-    yield event("response.content_part.added", **where, part=reply.part())  # empty so far
+    if reply.thinking is None:
+        for e in open_message():
+            yield e
     try:
         async for delta in flight.streams[0]:
-            text, logprobs = reply.add(delta)
+            had_reasoning = bool(reply.reasoning)
+            thought, text, logprobs = reply.add(delta)
+            if thought and index["message"] is None:
+                if not had_reasoning:
+                    yield event("response.output_item.added", output_index=0, item=reply.reasoning_item(False))
+                yield event("response.reasoning_text.delta", **thinking, delta=thought)
             if text or logprobs:
-                yield event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+                for e in open_message():
+                    yield e
+                yield event("response.output_text.delta", **where(), delta=text, logprobs=logprobs)
     except Exception as e:  # noqa: BLE001 -- any failure after the headers ends the stream as an event
         error = error_event(e, "openai")["error"]
         reply.fail(error["message"])
         yield event("error", code=error["code"], message=error["message"], param=error["param"])
         yield event("response.failed", response=reply.body())
         return
-    yield event("response.output_text.done", **where, text=reply.text, logprobs=reply.logprobs)
-    yield event("response.content_part.done", **where, part=reply.part())
-    yield event("response.output_item.done", output_index=0, item=reply.item())
+    for e in open_message():
+        yield e
+    yield event("response.output_text.done", **where(), text=reply.text, logprobs=reply.logprobs)
+    yield event("response.content_part.done", **where(), part=reply.part())
+    yield event("response.output_item.done", output_index=index["message"], item=reply.item())
     yield event(_LAST_EVENT[reply.status], response=reply.body())
 
 
@@ -357,8 +451,15 @@ async def responses(state: ServerState) -> Response:
     prompt = prompt_ids(state, req)
     params = sampling_params(req)
     fmt, spec = text_format(req)
+    opened = False
+    if state.reasoning_parser is not None:
+        tail = state.tokenizer.decode(prompt[-16:])  # the template's own ids: all in the vocabulary
+        opened = reasoning.opens_in_reasoning(state.reasoning_parser, tail)
+        if spec is not None and (opened or reasoning.may_open(state.reasoning_parser, tail)):
+            # text.format binds the answer after the think block, never the thinking.
+            spec = compose.compose(spec, compose.Reasoning(opened=opened, may_open=not opened), spec.param)
     await attach_grammar(state, params, spec)
-    reply = Reply(state, req, len(prompt), fmt)
+    reply = Reply(state, req, len(prompt), fmt, opened)
     async with state.admit() as flight:
         await submit(flight, reply.id, prompt, params)
         if req.stream:

@@ -42,7 +42,13 @@ def opens_in_reasoning(parser: str, prompt_text: str) -> bool:
     return tail.endswith(START)
 
 
-def _held_suffix(text: str, tag: str) -> int:
+def may_open(parser: str, prompt_text: str) -> bool:
+    """Whether an output that does not start inside the block may still open one: qwen3's, unless
+    the template closed an empty block (enable_thinking false); deepseek_r1's never."""
+    return parser == "qwen3" and not prompt_text.rstrip().endswith(END)
+
+
+def held_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (could become it)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -78,7 +84,7 @@ class ReasoningStream:
                     reasoning += buf[:at]
                     buf, self._state, self.ended = buf[at + len(END):], "answer_start", True
                 else:
-                    keep = _held_suffix(buf, END)
+                    keep = held_suffix(buf, END)
                     reasoning += buf[: len(buf) - keep]
                     self._held = buf[len(buf) - keep:]
                     return reasoning, content

@@ -183,6 +183,8 @@ class GrammarCompiler:
             return self._llguidance(self._ll_json(_JSON_OBJECT_SCHEMA), spec)
         if spec.kind == "grammar":
             return self._llguidance(self._ll_lark(spec), spec)
+        if spec.kind == "llguidance":
+            return self._llguidance(spec.text, spec)
         raise GuideError(spec.param, f"unknown kind of structured output {spec.kind!r}")
 
     def _outlines(self, job_kind: str, text: str, spec: GuideSpec) -> Grammar:

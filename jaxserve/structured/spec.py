@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxserve.errors import InvalidRequestError
 
-KINDS = ("regex", "choice", "json_schema", "json_object", "grammar")
+KINDS = ("regex", "choice", "json_schema", "json_object", "grammar", "llguidance")
 MAX_CHOICES = 1024
 MAX_SPEC_CHARS = 1 << 20  # 1 MiB of regex / schema / grammar text
 
@@ -27,7 +27,9 @@ class GuideError(InvalidRequestError):
 @dataclasses.dataclass(frozen=True)
 class GuideSpec:
     kind: str  # one of KINDS
-    text: str  # regex | schema JSON | choices JSON list | grammar source ("" for json_object)
+    # regex | schema JSON | choices JSON list | grammar source ("" for json_object) | an llguidance
+    # TopLevelGrammar JSON built by the server (jaxserve.structured.compose), never by a user
+    text: str
     param: str  # the request parameter it came from (named in errors)
 
     def cache_key(self, vocabulary_fingerprint: str) -> str:

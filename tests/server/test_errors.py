@@ -44,7 +44,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{% if %}"}, 400, "messages", "chat template"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 600}, 400, "max_tokens", "512"),
     ("/v1/chat/completions", {"messages": CHAT, "reasoning_max_tokens": 100}, 400, "reasoning_max_tokens",
-     "not supported yet"),
+     "--reasoning-parser"),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt", "exactly one"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "vocabulary"),
 ]

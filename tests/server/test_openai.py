@@ -169,8 +169,8 @@ def test_vllm_sampling_extras(client, smollm2_tokenizer):
 
 
 def test_openai_docs_function_calling_request(client):
-    # OpenAI's function-calling example: tools reach the chat template; tool-call parsing is not done
-    # yet, so the model's text comes back as content.
+    # OpenAI's function-calling example: tools reach the chat template; a server without
+    # --tool-call-parser does not read calls, so the model's text comes back as content.
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a given location",
         "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}]

@@ -1,8 +1,9 @@
 """--reasoning-parser end to end with the official openai client: the think block comes back as
 reasoning_content beside content, whole and streamed (the same split), counted in
-usage.completion_tokens_details.reasoning_tokens; constraints that would bind the think block are
-refused. SmolLM2 is no reasoning model, but greedy decoding makes it echo a think block on cue, and
-an ordinary answer is, for deepseek_r1 (whose output starts inside the block), unfinished reasoning."""
+usage.completion_tokens_details.reasoning_tokens; a constraint binds only the answer after the
+block, and reasoning_max_tokens forces the block closed. SmolLM2 is no reasoning model, but greedy
+decoding makes it echo a think block on cue, and an ordinary answer is, for deepseek_r1 (whose
+output starts inside the block), unfinished reasoning."""
 
 from __future__ import annotations
 
@@ -79,14 +80,64 @@ def test_unfinished_reasoning_and_no_reasoning(servers, stream):
     assert usage.completion_tokens_details.reasoning_tokens == 0
 
 
-def test_constraints_and_reasoning_max_tokens_are_refused_with_a_parser(servers):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_constraint_binds_the_answer_not_the_think_block(servers, stream):
+    # The echoed think block is text no choice allows; the constraint starts after </think>.
+    reasoning, content, _ = _chat(servers["deepseek_r1"], ECHO, stream, extra_body={"guided_choice": [" yes", " no"]})
+    assert (reasoning, content) == ("Echo: <think>maybe", " yes")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_reasoning_max_tokens_forces_the_block_closed(servers, smollm2_tokenizer, stream):
+    raw = servers["plain"].chat.completions.create(model=MODEL, messages=PLAIN, temperature=0.0, max_tokens=5,
+                                                   extra_body={"return_token_ids": True})
+    ids = raw.choices[0].model_extra["token_ids"]
+    reasoning, content, usage = _chat(servers["deepseek_r1"], PLAIN, stream, extra_body={"reasoning_max_tokens": 5})
+    # Five tokens of the model's own answer as reasoning, then </think> spelled out by force (three
+    # tokens in SmolLM2's vocabulary), then an answer.
+    assert reasoning == smollm2_tokenizer.decode(ids) and content
+    end = smollm2_tokenizer.encode("</think>", add_special_tokens=False)
+    assert usage.completion_tokens_details.reasoning_tokens == 5 + len(end)
+
+
+def test_bad_prompt_ids_are_refused_with_a_parser(servers):
     url = str(servers["deepseek_r1"].base_url).rstrip("/")
-    for body, param in [({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"guided_regex": "[ab]+"}, "guided_regex"),
-                        ({"reasoning_max_tokens": 10}, "reasoning_max_tokens")]:
-        r = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": PLAIN, **body}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # Token ids outside the vocabulary are refused before the parser decodes the prompt's tail.
     r = httpx.post(url + "/chat/completions", json={"model": MODEL, "messages": PLAIN, "prompt_token_ids": [10**10]},
                    timeout=60)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+
+
+def test_responses_api_returns_a_reasoning_item(servers, smollm2_tokenizer):
+    client = servers["deepseek_r1"]
+    kwargs = dict(model=MODEL, input=ECHO[0]["content"], temperature=0, max_output_tokens=24, top_logprobs=1,
+                  include=["message.output_text.logprobs"])
+    r = client.responses.create(**kwargs)
+    thought, message = r.output
+    assert thought.type == "reasoning" and thought.status == "completed" and thought.summary == []
+    assert [c.text for c in thought.content] == ["Echo: <think>maybe"]
+    assert message.type == "message" and r.output_text == " yes" and r.status == "completed"
+    raw = servers["plain"].chat.completions.create(model=MODEL, messages=ECHO, temperature=0.0, max_tokens=24,
+                                                   extra_body={"return_token_ids": True})
+    ids = raw.choices[0].model_extra["token_ids"]
+    spent = _tokens_through(smollm2_tokenizer, ids, "</think>")
+    assert r.usage.output_tokens_details.reasoning_tokens == spent
+    # The message's logprobs are the answer's tokens'.
+    assert len(message.content[0].logprobs) == r.usage.output_tokens - spent
+    # Streamed: the reasoning item and its deltas first, then the message; the same texts.
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Echo: <think>maybe"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == " yes"
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    final = events[-1].response
+    assert final.output_text == " yes" and final.output[0].content[0].text == "Echo: <think>maybe"
+    # The next turn may send the reasoning item back; it goes to the template with the assistant turn.
+    r = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": ECHO[0]["content"]},
+        {"type": "reasoning", "id": thought.id, "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Echo: <think>maybe"}]},
+        {"role": "assistant", "content": " yes"}, {"role": "user", "content": "And again?"}])
+    assert r.status in ("completed", "incomplete")
