@@ -12,14 +12,14 @@ constraint, which any output it allows also satisfies), `include:
 ["message.output_text.logprobs"]` with `top_logprobs`, `stream`. A generation aborted or cut by
 --request-timeout ends with status "failed" and the reason in `error`. Echoed back and otherwise
 changing nothing here: `metadata`, `user`, `safety_identifier`, `prompt_cache_key` (the prefix
-cache is automatic), `parallel_tool_calls` and `max_tool_calls` (with no tools there are no calls).
+cache is automatic) and `max_tool_calls`.
 
 Nothing is stored. `store` is accepted (OpenAI's default is true; the client omits it) but no
 response is kept, so what needs a stored object is refused with a 400 naming it:
 `previous_response_id`, `conversation`, `prompt` (stored prompt templates), `background`, and
-`item_reference` input items. Refused too, as they would otherwise be ignored: non-empty `tools`
-and a `tool_choice` other than "none"/"auto" (tool calling comes separately), function_call and
-other non-message input items, image/file/audio parts, `reasoning` asking for effort or summaries
+`item_reference` input items. Refused too, as they would otherwise be ignored: hosted tools (web
+search, file search, MCP, ...), input items other than messages, function calls and their outputs
+(and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
 (the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
 input that does not fit is refused, never cut), a `service_tier` other than "auto"/"default",
 `stream_options.include_obfuscation: true`. Unlike chat completions, unknown fields are refused
@@ -30,6 +30,13 @@ content, no summary) before the message, streamed as `response.reasoning_text.de
 tokens are counted in `output_tokens_details.reasoning_tokens`, `text.format` binds only the answer
 after it, and the message's logprobs are the answer's tokens'. Reasoning items sent back in `input`
 become the next assistant message's `reasoning_content` (what chat templates read).
+
+Function tools (`tools` of type function, `tool_choice`, `parallel_tool_calls`) work as on chat
+completions (jaxserve.server.answers): a named function or "required" constrains the output to the
+call; "auto" reads the model's own calls under --tool-call-parser. Calls come back as
+`function_call` items (streamed as `response.function_call_arguments.delta`), and `function_call` /
+`function_call_output` input items carry the conversation's earlier calls and results to the
+template (jaxserve.server.responses_tools).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,11 +53,11 @@ from quart import Response, jsonify
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.server import reasoning, sampling, sse
+from jaxserve.server import answers, reasoning, responses_tools, sampling, sse
 from jaxserve.server.errors import ApiError, error_event
-from jaxserve.server.generation import Flight, ServerState, attach_grammar
+from jaxserve.server.generation import Flight, ServerState
 from jaxserve.server.openai import chat_logprobs, parse
-from jaxserve.structured import compose
+from jaxserve.server.tools import forced_tools, function_schemas
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.tokenizer import ChatTemplateError
@@ -124,9 +131,6 @@ _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
     ("conversation", lambda r: r.conversation is not None, _STORED),
     ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not available; send instructions"),
     ("background", lambda r: bool(r.background), "background responses need a stored response to poll"),
-    ("tools", lambda r: bool(r.tools), "tools are not supported yet"),
-    ("tool_choice", lambda r: r.tool_choice not in (None, "none", "auto"),
-     "only 'none' and 'auto' are accepted while tools are not supported"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
      "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
     ("text.verbosity", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
@@ -154,8 +158,6 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _ITEM_WHY = {
-    "function_call": "tool calling is not supported yet",
-    "function_call_output": "tool calling is not supported yet",
     "item_reference": "nothing is stored to refer to",
     "reasoning": "the served model is not served with --reasoning-parser",
 }
@@ -172,8 +174,18 @@ def chat_messages(req: ResponsesRequest, reasons: bool = False) -> list[dict[str
     out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     thought: list[str] = []
     for i, item in enumerate(items):
-        if reasons and isinstance(item, dict) and item.get("type") == "reasoning":
+        kind = item.get("type") if isinstance(item, dict) else None
+        if reasons and kind == "reasoning":
             thought.append(_reasoning_text(item, f"input[{i}]"))
+            continue
+        if kind == "function_call":
+            if thought:  # the thinking before these calls belongs to their turn
+                out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(thought)})
+                thought = []
+            responses_tools.add_call(out, item, f"input[{i}]")
+            continue
+        if kind == "function_call_output":
+            out.append(responses_tools.call_output(out, item, f"input[{i}]"))
             continue
         message = _message(item, f"input[{i}]")
         if thought and message["role"] == "assistant":
@@ -216,10 +228,10 @@ def _part_text(part: Any, where: str) -> str:
     return part["text"]
 
 
-def prompt_ids(state: ServerState, req: ResponsesRequest) -> list[int]:
+def prompt_ids(state: ServerState, req: ResponsesRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
     try:
         return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None),
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:
         raise ApiError(400, f"chat template: {e}", "input") from e
 
@@ -265,11 +277,12 @@ async def submit(flight: Flight, request_id: str, prompt: list[int], params: Sam
 
 # ---- the Response object ------------------------------------------------------------------------
 class Reply:
-    """One response as it is generated: its reasoning and answer so far, and its Response object
-    at any point."""
+    """One response as it is generated: its reasoning, answer text and function calls so far, the
+    order its output items appeared in, and its Response object at any point. `add` reports what
+    each engine delta changed, as steps the event stream turns into events."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, num_prompt: int, fmt: dict[str, Any],
-                 opened: bool = False):
+                 plan: answers.OutputPlan):
         self.state, self.req, self.num_prompt, self.fmt = state, req, num_prompt, fmt
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"  # OpenAI's spelling
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
@@ -277,8 +290,10 @@ class Reply:
         self.completed_at: int | None = None
         self.text = ""  # the answer
         self.reasoning = ""  # the think block's text (with a reasoning parser)
-        self.opened = opened
-        self.thinking = reasoning.ReasoningStream(opened) if state.reasoning_parser is not None else None
+        self.plan = plan
+        self.split = answers.OutputStream(plan)
+        self.calls: dict[int, dict[str, str]] = {}  # index -> call_id, name, arguments, item id
+        self.order: list[Any] = []  # "reasoning", "message", ("call", index): as they appeared
         self.token_ids: list[int] = []
         self.token_logprobs: list[dict[str, Any]] = []  # one per output token
         self.num_output = self.num_cached = 0
@@ -286,10 +301,11 @@ class Reply:
         self.error: dict[str, Any] | None = None
         self.num_top = req.top_logprobs or 0
 
-    def add(self, delta: RequestOutput) -> tuple[str, str, list[dict[str, Any]]]:
-        """Take one engine delta; its new reasoning, answer text, and the answer's new logprobs."""
+    def add(self, delta: RequestOutput) -> list[tuple[Any, ...]]:
+        """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
+        ("text", text, logprobs), ("arguments", index, piece), ("close", key)."""
         self.num_cached = delta.num_cached_tokens
-        text, sent = "", len(self.logprobs)
+        text, sent, finish = "", len(self.logprobs), None
         for o in delta.outputs:
             text += o.text
             self.num_output += len(o.token_ids)
@@ -297,31 +313,63 @@ class Reply:
             if o.logprobs is not None:
                 self.token_logprobs += chat_logprobs(self.state, o.logprobs, self.num_top)["content"]
             if o.finish_reason is not None:
-                self.finish_reason = o.finish_reason
+                finish = self.finish_reason = o.finish_reason
                 self.completed_at = int(time.time())
                 if o.finish_reason not in ("stop", "length"):  # aborted, or cut by --request-timeout
                     self.fail(f"generation ended early: {o.stop_reason or o.finish_reason}")
-        thought = ""
-        if self.thinking is not None:
-            thought, text = self.thinking.feed(text)
-            if self.finish_reason is not None:
-                more_thought, more_text = self.thinking.finish()
-                thought, text = thought + more_thought, text + more_text
-        self.reasoning += thought
-        self.text += text
-        return thought, text, self.logprobs[sent:]
+        parts = self.split.delta(text, finish)
+        steps: list[tuple[Any, ...]] = []
+        if parts.get("reasoning_content"):
+            if "reasoning" not in self.order:
+                steps.append(self._open("reasoning"))
+            self.reasoning += parts["reasoning_content"]
+            steps.append(("reasoning", parts["reasoning_content"]))
+        logprobs = self.logprobs[sent:]
+        if parts.get("content") or logprobs:
+            steps += self._answering()
+            if "message" not in self.order:
+                steps.append(self._open("message"))
+            self.text += parts.get("content", "")
+            steps.append(("text", parts.get("content", ""), logprobs))
+        for call in parts.get("tool_calls", []):
+            steps += self._answering()
+            k, fn = call["index"], call["function"]
+            if "id" in call:
+                self.calls[k] = {"call_id": call["id"], "name": fn["name"], "arguments": "",
+                                 "id": f"fc_{uuid.uuid4().hex}"}
+                steps.append(self._open(("call", k)))
+            if fn.get("arguments"):
+                self.calls[k]["arguments"] += fn["arguments"]
+                steps.append(("arguments", k, fn["arguments"]))
+        if finish is not None:
+            steps += self._answering()
+            if not self.calls and "message" not in self.order:  # an empty answer is still a message
+                steps.append(self._open("message"))
+            steps += [("close", key) for key in self.order if key != "reasoning"]
+        return steps
+
+    def _open(self, key: Any) -> tuple[Any, ...]:
+        self.order.append(key)
+        return ("open", key)
+
+    def _answering(self) -> list[tuple[Any, ...]]:
+        """The think block is over once the answer starts: its item closes first."""
+        if "reasoning" in self.order and "reasoning closed" not in self.order:
+            self.order.append("reasoning closed")
+            return [("close", "reasoning")]
+        return []
 
     def reasoning_tokens(self) -> tuple[int, bool]:
         """(output tokens spent thinking, whether the block has closed)."""
-        if self.thinking is None:
+        if self.plan.parser is None:
             return 0, False
-        return reasoning.count_reasoning_tokens(self.token_ids, self.state.tokenizer.decode, self.opened)
+        return reasoning.count_reasoning_tokens(self.token_ids, self.state.tokenizer.decode, self.plan.opened)
 
     @property
     def logprobs(self) -> list[dict[str, Any]]:
         """The answer's tokens' logprobs: none while the think block is open."""
         count, closed = self.reasoning_tokens()
-        if self.thinking is not None and count and not closed:
+        if self.plan.parser is not None and count and not closed:
             return []
         return self.token_logprobs[count:]
 
@@ -334,24 +382,40 @@ class Reply:
             return "failed"
         return {None: "in_progress", "stop": "completed"}.get(self.finish_reason, "incomplete")
 
+    def _item_status(self) -> str:
+        return self.status if self.status in ("in_progress", "completed") else "incomplete"
+
     def part(self) -> dict[str, Any]:
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
 
     def item(self) -> dict[str, Any]:
-        status = self.status if self.status in ("in_progress", "completed") else "incomplete"
+        status = self._item_status()
         content = [] if status == "in_progress" else [self.part()]  # the part is announced by its own events
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     def reasoning_item(self, done: bool) -> dict[str, Any]:
         status = "in_progress" if not done else ("completed" if self.status != "failed" else "incomplete")
-        if done and self.thinking is not None and not self.thinking.ended:
+        thinking = self.split.thinking
+        if done and thinking is not None and not thinking.ended:
             status = "incomplete"  # cut off while thinking
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": self.reasoning}] if done else [],
                 "encrypted_content": None}
 
+    def call_item(self, k: int, done: bool) -> dict[str, Any]:
+        c = self.calls[k]
+        return responses_tools.call_item(c["call_id"], c["name"], c["arguments"] if done else "",
+                                         self._item_status() if done else "in_progress", c["id"])
+
+    def item_of(self, key: Any, done: bool) -> dict[str, Any]:
+        if key == "reasoning":
+            return self.reasoning_item(done)
+        if key == "message":
+            return self.item()
+        return self.call_item(key[1], done)
+
     def output(self) -> list[dict[str, Any]]:
-        return ([self.reasoning_item(True)] if self.reasoning else []) + [self.item()]
+        return [self.item_of(key, True) for key in self.order if key != "reasoning closed"]
 
     def body(self) -> dict[str, Any]:
         req, status = self.req, self.status
@@ -369,8 +433,9 @@ class Reply:
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0, "top_logprobs": self.num_top,
             "text": {"format": self.fmt, "verbosity": "medium"}, "tool_choice": req.tool_choice or "auto",
-            "tools": [], "truncation": "disabled", "user": req.user, "safety_identifier": req.safety_identifier,
-            "prompt_cache_key": req.prompt_cache_key, "usage": self.usage() if done else None,
+            "tools": req.tools or [], "truncation": "disabled", "user": req.user,
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+            "usage": self.usage() if done else None,
         }
 
     def usage(self) -> dict[str, Any]:
@@ -386,60 +451,65 @@ _LAST_EVENT = {"completed": "response.completed", "incomplete": "response.incomp
 
 
 async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
-    """The Responses event stream: lifecycle; a reasoning item with its reasoning_text deltas if
-    the model thinks; one message item with one output_text part and its deltas; the closing
-    events. A failure mid-stream sends `error`, then response.failed."""
+    """The Responses event stream: lifecycle events, then each output item as it appears -- a
+    reasoning item with its reasoning_text deltas, the message with one output_text part and its
+    deltas, a function_call item with its argument deltas -- and the closing events. A failure
+    mid-stream sends `error`, then response.failed."""
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> bytes:
         return b"event: " + kind.encode() + b"\n" + sse.event({"type": kind, "sequence_number": next(numbers),
                                                                 **fields})
 
-    index = {"message": None}  # the message's output_index, once announced
+    def index(key: Any) -> int:
+        return [k for k in reply.order if k != "reasoning closed"].index(key)
 
-    def where() -> dict[str, Any]:
-        return {"item_id": reply.item_id, "output_index": index["message"], "content_index": 0}
+    def where(key: Any) -> dict[str, Any]:
+        item_id = {"reasoning": reply.reasoning_id, "message": reply.item_id}.get(key) or reply.calls[key[1]]["id"]
+        return {"item_id": item_id, "output_index": index(key)}
 
-    thinking = {"item_id": reply.reasoning_id, "output_index": 0, "content_index": 0}
-
-    def open_message() -> Iterator[bytes]:
-        if index["message"] is not None:
-            return
-        if reply.reasoning:  # the think block is over: its item closes before the answer's opens
-            yield event("response.reasoning_text.done", **thinking, text=reply.reasoning)
-            yield event("response.output_item.done", output_index=0, item=reply.reasoning_item(True))
-        index["message"] = 1 if reply.reasoning else 0
-        yield event("response.output_item.added", output_index=index["message"], item=reply.item())
-        yield event("response.content_part.added", **where(), part=reply.part())  # empty so far
+    def events(step: tuple[Any, ...]) -> list[bytes]:
+        kind, *rest = step
+        if kind == "open":
+            (key,) = rest
+            out = [event("response.output_item.added", output_index=index(key), item=reply.item_of(key, False))]
+            if key == "message":  # empty so far
+                out.append(event("response.content_part.added", **where(key), content_index=0, part=reply.part()))
+            return out
+        if kind == "reasoning":
+            return [event("response.reasoning_text.delta", **where("reasoning"), content_index=0, delta=rest[0])]
+        if kind == "text":
+            return [event("response.output_text.delta", **where("message"), content_index=0, delta=rest[0],
+                          logprobs=rest[1])]
+        if kind == "arguments":
+            return [event("response.function_call_arguments.delta", **where(("call", rest[0])), delta=rest[1])]
+        (key,) = rest
+        if key == "reasoning":
+            return [event("response.reasoning_text.done", **where(key), content_index=0, text=reply.reasoning),
+                    event("response.output_item.done", output_index=index(key), item=reply.reasoning_item(True))]
+        if key == "message":
+            return [event("response.output_text.done", **where(key), content_index=0, text=reply.text,
+                          logprobs=reply.logprobs),
+                    event("response.content_part.done", **where(key), content_index=0, part=reply.part()),
+                    event("response.output_item.done", output_index=index(key), item=reply.item())]
+        call = reply.calls[key[1]]
+        return [event("response.function_call_arguments.done", **where(key), name=call["name"],
+                      arguments=call["arguments"]),
+                event("response.output_item.done", output_index=index(key), item=reply.call_item(key[1], True))]
 
     yield event("response.created", response=reply.body())
     yield event("response.in_progress", response=reply.body())
-    if reply.thinking is None:
-        for e in open_message():
-            yield e
     try:
         async for delta in flight.streams[0]:
-            had_reasoning = bool(reply.reasoning)
-            thought, text, logprobs = reply.add(delta)
-            if thought and index["message"] is None:
-                if not had_reasoning:
-                    yield event("response.output_item.added", output_index=0, item=reply.reasoning_item(False))
-                yield event("response.reasoning_text.delta", **thinking, delta=thought)
-            if text or logprobs:
-                for e in open_message():
+            for step in reply.add(delta):
+                for e in events(step):
                     yield e
-                yield event("response.output_text.delta", **where(), delta=text, logprobs=logprobs)
     except Exception as e:  # noqa: BLE001 -- any failure after the headers ends the stream as an event
         error = error_event(e, "openai")["error"]
         reply.fail(error["message"])
         yield event("error", code=error["code"], message=error["message"], param=error["param"])
         yield event("response.failed", response=reply.body())
         return
-    for e in open_message():
-        yield e
-    yield event("response.output_text.done", **where(), text=reply.text, logprobs=reply.logprobs)
-    yield event("response.content_part.done", **where(), part=reply.part())
-    yield event("response.output_item.done", output_index=index["message"], item=reply.item())
     yield event(_LAST_EVENT[reply.status], response=reply.body())
 
 
@@ -448,18 +518,17 @@ async def responses(state: ServerState) -> Response:
     req = await parse(ResponsesRequest)
     state.model_names.check(req.model)
     refuse_unhonoured(req)
-    prompt = prompt_ids(state, req)
+    tools = responses_tools.chat_tools(req.tools)
+    choice = responses_tools.chat_tool_choice(req.tool_choice)
+    tools_on = bool(tools) and choice != "none"
+    schemas = function_schemas(tools) if tools else {}
+    forced = forced_tools(tools, choice, req.parallel_tool_calls)
+    prompt = prompt_ids(state, req, tools if tools_on else None)
     params = sampling_params(req)
     fmt, spec = text_format(req)
-    opened = False
-    if state.reasoning_parser is not None:
-        tail = state.tokenizer.decode(prompt[-16:])  # the template's own ids: all in the vocabulary
-        opened = reasoning.opens_in_reasoning(state.reasoning_parser, tail)
-        if spec is not None and (opened or reasoning.may_open(state.reasoning_parser, tail)):
-            # text.format binds the answer after the think block, never the thinking.
-            spec = compose.compose(spec, compose.Reasoning(opened=opened, may_open=not opened), spec.param)
-    await attach_grammar(state, params, spec)
-    reply = Reply(state, req, len(prompt), fmt, opened)
+    plan = answers.plan(state, prompt, forced, tools_on and forced is None, schemas)
+    await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)
+    reply = Reply(state, req, len(prompt), fmt, plan)
     async with state.admit() as flight:
         await submit(flight, reply.id, prompt, params)
         if req.stream:

@@ -44,7 +44,7 @@ def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if tool_choice in (None, "none", "auto"):
         return None
     if not tools:
-        raise ApiError(400, "tool_choice: forcing a tool call needs tools", "tools")
+        raise ApiError(400, "tools: tool_choice forcing a tool call needs tools", "tools")
     functions = function_schemas(tools)
     if tool_choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},

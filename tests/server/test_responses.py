@@ -133,8 +133,7 @@ def test_logprobs_when_included(client):
     ({"input": ""}, "input", "empty"),
     ({"input": []}, "input", "empty"),
     ({"input": QUESTION, "previous_response_id": "resp_123"}, "previous_response_id", "stored"),
-    ({"input": QUESTION, "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
-     "tools", "not supported"),
+    ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": "word " * 600}, "input", "context limit of 512"),
     ({"input": QUESTION, "max_output_tokens": 600}, "max_output_tokens", "max_output_tokens is 600"),
 ])
@@ -159,7 +158,8 @@ def _post(body: dict) -> tuple[int, bytes]:
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tools"),  # forcing a call needs tools
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
@@ -176,7 +176,8 @@ def _post(body: dict) -> tuple[int, bytes]:
     ({"seed": 1}, "seed"),  # not a Responses field: refused, not ignored
     ({"max_output_tokens": 101}, "max_output_tokens"),  # the engine's limit, in this API's words
     ({"input": None}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input[0].type"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input[0].call_id"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},

@@ -324,3 +324,63 @@ def test_smollm2_echoes_a_call_that_parses(smollm2_hermes, stream):
         calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
     assert calls == [("get_time", '{"zone": "UTC"}')]
     assert content == "Echo:" and finishes == ["tool_calls"]
+
+
+# ---- the Responses API ------------------------------------------------------------------------------
+FLAT_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+               "parameters": t["function"]["parameters"], "strict": True} for t in TOOLS]
+
+
+def _call_items(output) -> list[tuple[str, str]]:
+    return [(o.name, o.arguments) for o in output if o.type == "function_call"]
+
+
+def test_responses_forced_call_whole_and_streamed(qwen3):
+    client, _, _ = qwen3
+    kwargs = dict(model="qwen3", input="What time is it in Paris?", tools=FLAT_TOOLS, temperature=0,
+                  tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=40)
+    r = client.responses.create(**kwargs)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_time" and call.call_id.startswith("chatcmpl-tool-") and call.id.startswith("fc_")
+    _check_call("get_time", call.arguments)
+    events = list(client.responses.create(stream=True, **kwargs))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["function_call"]
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert pieces == done.arguments == call.arguments
+    assert _call_items(events[-1].response.output) == [("get_time", call.arguments)]
+
+
+def test_responses_conversation_with_calls(qwen3):
+    """function_call and function_call_output items reach the real template as the assistant turn's
+    tool_calls and the tool's answer; a result for a call never made is refused."""
+    client, _, _ = qwen3
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris", "days": 1}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 22C"}]
+    r = client.responses.create(model="qwen3", input=history, tools=FLAT_TOOLS, max_output_tokens=4, temperature=0)
+    assert r.status in ("completed", "incomplete")
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="qwen3", input=history[:1] + history[2:], tools=FLAT_TOOLS, max_output_tokens=4)
+    assert caught.value.param == "input[1].call_id"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_auto_call_from_smollm2(smollm2_hermes, stream):
+    client, model = smollm2_hermes
+    echo = 'Echo: <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    kwargs = dict(model=model, input=echo, tools=FLAT_TOOLS, temperature=0, max_output_tokens=40)
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["message", "function_call"]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Echo:"
+        r = events[-1].response
+    else:
+        r = client.responses.create(**kwargs)
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output_text == "Echo:" and _call_items(r.output) == [("get_time", '{"zone": "UTC"}')]
