@@ -41,14 +41,14 @@ QWEN = MARKERS["qwen3"]
 def _serve(family: str, cache_dir, tmp_path_factory, **app_options):
     directory = make_tiny_chat_model(family, tmp_path_factory.mktemp(family), cache_dir)
     config = Config(
-        model=ModelConfig(model=str(directory), served_model_name=family, dtype="float32", max_model_len=1024,
+        model=ModelConfig(model=str(directory), served_model_name=family, dtype="float32", max_model_len=512,
                           cache_dir=cache_dir),
-        parallel=ParallelConfig(), server=ServerConfig(), cache=CacheConfig(page_size=16, num_pages=256),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_prefill_seqs=2),
+        parallel=ParallelConfig(), server=ServerConfig(), cache=CacheConfig(page_size=16, num_pages=360),
+        scheduler=SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=128, max_prefill_seqs=2),
         compilation_cache_dir=cache_dir / "xla")
     engine = AsyncEngine(start_engine(config)[0])
     tokenizer = load_tokenizer(directory, None, cache_dir=cache_dir)
-    live = start_server(create_app(engine, tokenizer, family, 1024, **app_options))
+    live = start_server(create_app(engine, tokenizer, family, 512, **app_options))
     return engine, tokenizer, live
 
 
