@@ -7,13 +7,12 @@ Chat completions and the Responses API share it, so they cannot disagree.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any
 
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import reasoning, tool_parsers
-from jaxserve.server.generation import ServerState, attach_grammar
+from jaxserve.server.generation import ServerState, attach_grammar, grammar_compiler
 from jaxserve.server.tools import ForcedTools
 from jaxserve.structured import compose
 from jaxserve.structured import spec as guide
@@ -91,8 +90,7 @@ def _special_id(state: ServerState, text: str) -> int | None:
 
 
 async def _cap_reasoning(state: ServerState, inner: Any, max_tokens: int, opened: bool) -> ReasoningCapGrammar:
-    compiler = state.grammars if state._grammars is not None else await asyncio.to_thread(lambda: state.grammars)
-    vocabulary = compiler.vocabulary
+    vocabulary = (await grammar_compiler(state)).vocabulary
     end_ids = state.tokenizer.encode(reasoning.END, add_special_tokens=False)
     return ReasoningCapGrammar(inner, vocabulary.tokens, end_ids, max_tokens, opened, vocabulary.size)
 

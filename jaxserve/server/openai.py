@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator, TypeVar
 
@@ -23,6 +22,7 @@ from jaxserve.server.generation import (
     route,
     token_text,
 )
+from jaxserve.server.tools import parse_arguments
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.server.openai_protocol import (
@@ -337,10 +337,7 @@ def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, f"{where}.function: expected {{\"name\": ..., \"arguments\": ...}}", where)
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ApiError(400, f"{where}.function.arguments: not JSON ({e})", f"{where}.function.arguments") from None
+        arguments = parse_arguments(arguments, f"{where}.function.arguments") if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise ApiError(400, f"{where}.function.arguments: expected a JSON object", f"{where}.function.arguments")
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": arguments}}

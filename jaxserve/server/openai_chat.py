@@ -112,24 +112,14 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
     include_usage, continuous = _usage_options(req)
     total = _Usage([prompt])
     outputs = {i: answers.OutputStream(plan) for i in range(req.n)}
-    output_ids: dict[int, list[int]] = {i: [] for i in range(req.n)}  # with a parser: for reasoning_tokens
-    closed_at: dict[int, int] = {}  # reasoning tokens of an output whose block has closed
-
-    def reasoning_count(i: int) -> int:
-        # From the tokens' own text, not the streamed text (which the detokenizer may still hold
-        # back for a stop string): the same count as the whole reply's, and it never goes down.
-        # Kept once the block has closed.
-        if i not in closed_at:
-            count, closed = reasoning.count_reasoning_tokens(output_ids[i], state.tokenizer.decode, plan.opened)
-            if not closed:
-                return count
-            closed_at[i] = count
-        return closed_at[i]
+    # Reasoning tokens from the tokens' own text, not the streamed text (which the detokenizer may
+    # still hold back for a stop string): the same count as the whole reply's, never going down.
+    counters = {i: reasoning.ReasoningCounter(state.tokenizer.decode, plan.opened) for i in range(req.n)}
 
     def usage_body() -> dict[str, Any]:
         body = total.body()
         if plan.parser is not None:
-            body["completion_tokens_details"] = {"reasoning_tokens": sum(map(reasoning_count, range(req.n)))}
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(c.count()[0] for c in counters.values())}
         return body
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -149,7 +139,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
             total.add(i, delta)
             for o in delta.outputs:
                 if plan.parser is not None:
-                    output_ids[o.index].extend(o.token_ids)
+                    counters[o.index].add(o.token_ids)
                 out = outputs[o.index]
                 delta_body = out.delta(o.text, o.finish_reason)
                 finish = o.finish_reason

@@ -101,8 +101,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # FastDeploy's cap on a reasoning model's think section: refused until the engine can end the
-    # section by force (issue 20), rather than accepted and ignored.
+    # FastDeploy's cap on a reasoning model's think section: `</think>` is forced after this many
+    # tokens (jaxserve.structured.reasoning_cap); needs --reasoning-parser.
     reasoning_max_tokens: int | None = None
     # Bypass the template: prompt_token_ids are the prompt as given; disable_chat_template
     # concatenates the messages' text (tokenized as user text: no special tokens from it).

@@ -294,7 +294,8 @@ class Reply:
         self.split = answers.OutputStream(plan)
         self.calls: dict[int, dict[str, str]] = {}  # index -> call_id, name, arguments, item id
         self.order: list[Any] = []  # "reasoning", "message", ("call", index): as they appeared
-        self.token_ids: list[int] = []
+        self.reasoning_closed = False  # its item closed: the answer has begun
+        self.counter = reasoning.ReasoningCounter(state.tokenizer.decode, plan.opened)
         self.token_logprobs: list[dict[str, Any]] = []  # one per output token
         self.num_output = self.num_cached = 0
         self.finish_reason: str | None = None
@@ -309,7 +310,7 @@ class Reply:
         for o in delta.outputs:
             text += o.text
             self.num_output += len(o.token_ids)
-            self.token_ids += o.token_ids
+            self.counter.add(o.token_ids)
             if o.logprobs is not None:
                 self.token_logprobs += chat_logprobs(self.state, o.logprobs, self.num_top)["content"]
             if o.finish_reason is not None:
@@ -354,16 +355,14 @@ class Reply:
 
     def _answering(self) -> list[tuple[Any, ...]]:
         """The think block is over once the answer starts: its item closes first."""
-        if "reasoning" in self.order and "reasoning closed" not in self.order:
-            self.order.append("reasoning closed")
+        if "reasoning" in self.order and not self.reasoning_closed:
+            self.reasoning_closed = True
             return [("close", "reasoning")]
         return []
 
     def reasoning_tokens(self) -> tuple[int, bool]:
         """(output tokens spent thinking, whether the block has closed)."""
-        if self.plan.parser is None:
-            return 0, False
-        return reasoning.count_reasoning_tokens(self.token_ids, self.state.tokenizer.decode, self.plan.opened)
+        return self.counter.count() if self.plan.parser is not None else (0, False)
 
     @property
     def logprobs(self) -> list[dict[str, Any]]:
@@ -415,7 +414,7 @@ class Reply:
         return self.call_item(key[1], done)
 
     def output(self) -> list[dict[str, Any]]:
-        return [self.item_of(key, True) for key in self.order if key != "reasoning closed"]
+        return [self.item_of(key, True) for key in self.order]
 
     def body(self) -> dict[str, Any]:
         req, status = self.req, self.status
@@ -462,7 +461,7 @@ async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
                                                                 **fields})
 
     def index(key: Any) -> int:
-        return [k for k in reply.order if k != "reasoning closed"].index(key)
+        return reply.order.index(key)
 
     def where(key: Any) -> dict[str, Any]:
         item_id = {"reasoning": reply.reasoning_id, "message": reply.item_id}.get(key) or reply.calls[key[1]]["id"]

@@ -146,3 +146,25 @@ def count_reasoning_tokens(token_ids: Sequence[int], decode: Callable[[Sequence[
         else:
             lo = mid + 1
     return lo, True
+
+
+class ReasoningCounter:
+    """One output's reasoning tokens while its tokens arrive: count_reasoning_tokens of all of them,
+    computed once per new token and kept for good once the block has closed."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], opened: bool):
+        self.decode, self.opened = decode, opened
+        self.token_ids: list[int] = []
+        self._counted: tuple[int, tuple[int, bool]] = (0, (0, False))  # (tokens seen, their count)
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        self.token_ids.extend(token_ids)
+
+    def count(self) -> tuple[int, bool]:
+        """(reasoning tokens so far, whether the block has closed)."""
+        seen, result = self._counted
+        if seen != len(self.token_ids) and not result[1]:
+            result = count_reasoning_tokens(self.token_ids, self.decode, self.opened)
+            self._counted = (len(self.token_ids), result)
+        return result
+

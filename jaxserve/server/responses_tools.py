@@ -10,11 +10,11 @@ MCP, code interpreter, ...) need a service this server does not run: 400 naming 
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from jaxserve.server.errors import ApiError
+from jaxserve.server.tools import parse_arguments
 
 _FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
 
@@ -54,13 +54,10 @@ def add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -
         raise ApiError(400, f"{where}.name: expected the function's name", f"{where}.name")
     if not isinstance(call_id, str) or not call_id:
         raise ApiError(400, f"{where}.call_id: expected the call's id", f"{where}.call_id")
-    try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"{where}.arguments: not JSON ({e})", f"{where}.arguments") from None
-    if not isinstance(parsed, dict):
+    if not isinstance(arguments, str):
         raise ApiError(400, f"{where}.arguments: expected a JSON object as text", f"{where}.arguments")
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+    call = {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": parse_arguments(arguments, f"{where}.arguments")}}
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":  # the turn's text, then its calls
         last.setdefault("tool_calls", []).append(call)

@@ -87,3 +87,16 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def parse_arguments(text: str, where: str) -> dict[str, Any]:
+    """A call's arguments, sent as JSON text (OpenAI's form), as the object chat templates write
+    (`arguments | tojson`); 400 naming `where` for text that is not a JSON object."""
+    try:
+        arguments = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"{where}: not JSON ({e})", where) from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}: expected a JSON object", where)
+    return arguments
+

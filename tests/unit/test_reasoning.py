@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from jaxserve.server.reasoning import ReasoningStream, check_parser, opens_in_reasoning, parse, reasoning_tokens
+from jaxserve.server.reasoning import (
+    ReasoningCounter,
+    ReasoningStream,
+    check_parser,
+    opens_in_reasoning,
+    parse,
+    reasoning_tokens,
+)
 
 # (parser, prompt tail, output, reasoning_content, content)
 CASES = [
@@ -71,6 +78,18 @@ def test_reasoning_tokens_count_up_to_the_closing_tag():
     assert reasoning_tokens(ids[:5], decode, opened=True) == 5  # still thinking: all of them
     assert reasoning_tokens([7, 8], decode, opened=False) == 0
     assert reasoning_tokens([], decode, opened=True) == 0
+
+    # As tokens arrive: the same counts; asked twice, counted once; after the close, never again.
+    calls = []
+    counter = ReasoningCounter(lambda ids: calls.append(len(ids)) or decode(ids), opened=True)
+    seen, decodes = [], []
+    for i in ids:
+        counter.add([i])
+        seen.append(counter.count())
+        decodes.append(len(calls))
+        assert counter.count() == seen[-1] and len(calls) == decodes[-1]
+    assert seen == [(k, False) for k in range(1, 7)] + [(7, True)] * 3
+    assert decodes[-1] == decodes[-3]  # the two tokens after the close decoded nothing
 
 
 def test_unknown_parser_is_refused():
