@@ -195,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "at a time. Rows end inside the loop on EOS, stop token ids and max tokens; stop strings are "
                    "checked afterwards and the tokens after a match dropped. Default: 8 on GPUs and TPUs, 1 on "
                    "the CPU")
+    e.add_argument("--speculative-method", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram (prompt lookup) drafts the next tokens by finding the "
+                   "sequence's last few tokens earlier in its prompt or output and proposing what followed them "
+                   "there; one verify step then scores every draft token at once and keeps those the model agrees "
+                   "with (greedy outputs are unchanged; sampled ones keep their distribution). Pays off when "
+                   "outputs copy their input (editing, extraction, code); rows with a grammar or penalties decode "
+                   "as usual. Requests may set num_assistant_tokens (0: off) and max_ngram_size. Default: off")
+    e.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+                   help="with --speculative-method: most draft tokens a verify step checks per sequence (the "
+                   "verify steps are compiled for K + 1 tokens a row); requests may ask fewer with "
+                   "num_assistant_tokens")
+    e.add_argument("--max-ngram-size", type=int, default=3, metavar="N",
+                   help="with --speculative-method ngram: the longest n-gram looked up (longer matches are tried "
+                   "first, down to one token); requests may set their own max_ngram_size")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
@@ -348,6 +362,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.decode_steps is not None and args.decode_steps < 1:
         raise ConfigError(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    if args.num_speculative_tokens < 1 or args.max_ngram_size < 1:
+        raise ConfigError("--num-speculative-tokens and --max-ngram-size must be >= 1, got "
+                          f"{args.num_speculative_tokens} and {args.max_ngram_size}")
     if args.num_pages is not None and args.num_pages < 2:
         raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
     for flag in ("max_concurrent_requests", "max_request_bytes", "max_n", "structured_output_max_mib",
@@ -393,6 +410,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_seqs=args.max_prefill_seqs,
             max_model_len=0,  # filled in once the model's own limit is known (startup)
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            max_ngram_size=args.max_ngram_size,
         ),
         compilation_cache_dir=None if args.no_compilation_cache else cache_dir / "xla",
         attention_backend=args.attention_backend,

@@ -59,6 +59,11 @@ class SchedulerConfig:
     # Decode iterations one device step may run when the batch has nothing else to do (no
     # arrivals, no grammar rows): the host round trip is paid once per that many tokens.
     decode_steps: int = 1
+    # Speculative decoding: "ngram" (prompt lookup, jaxserve.engine.ngram) or None; the most draft
+    # tokens a verify step checks per row, and the longest n-gram looked up.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    max_ngram_size: int = 3
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
 

@@ -117,6 +117,7 @@ class LLM:
         hf_overrides: dict[str, Any] | None = None,
         quantization: str = "auto",
         quantization_group_size: int = 32,
+        speculative_config: dict[str, Any] | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -127,7 +128,9 @@ class LLM:
         config.json, as --hf-overrides. quantization: "int8" or "int4" (in groups of
         quantization_group_size rows) quantizes a generation model's weights, "none" dequantizes a
         GGUF, "auto" keeps the checkpoint's precision, "gguf" a GGUF's blocks strictly, as
-        --quantization."""
+        --quantization. speculative_config: vLLM's dict for prompt-lookup decoding,
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, as
+        --speculative-method ngram --num-speculative-tokens 5 --max-ngram-size 3."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -145,7 +148,7 @@ class LLM:
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_prefill_seqs=max_prefill_seqs),
+                                      max_prefill_seqs=max_prefill_seqs, **_speculative(speculative_config)),
             compilation_cache_dir=cache_dir / "xla",
             attention_backend=attention_backend,
             matmul_backend=matmul_backend,
@@ -327,6 +330,24 @@ def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _speculative(config: dict[str, Any] | None) -> dict[str, Any]:
+    """SchedulerConfig fields of a vLLM-style speculative_config (prompt lookup only)."""
+    if config is None:
+        return {}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+    if config.get("method") != "ngram":
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {config.get('method')!r}")
+    for key in ("num_speculative_tokens", "prompt_lookup_max"):
+        value = config.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+    return {"speculative_method": "ngram", "num_speculative_tokens": config.get("num_speculative_tokens", 5),
+            "max_ngram_size": config.get("prompt_lookup_max", 3)}
 
 
 def _resolve_task(config: Config) -> str:

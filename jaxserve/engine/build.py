@@ -88,7 +88,10 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     allocator = PageAllocator(num_pages, page_size, config.cache.enable_prefix_caching)
     info = EngineInfo(architecture=cfg.architecture, vocab_size=cfg.vocab_size, eos_ids=eos_ids, max_model_len=sched.max_model_len,
                       max_n=config.max_n, max_num_seqs=sched.max_num_seqs, page_size=page_size,
-                      num_pages=num_pages, decode_steps=sched.decode_steps)
+                      num_pages=num_pages, decode_steps=sched.decode_steps,
+                      speculative_method=sched.speculative_method,
+                      num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
+                      max_ngram_size=sched.max_ngram_size if sched.speculative_method else 0)
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     if config.check_integrity:
@@ -105,7 +108,8 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         vocab_size=decoder.cfg.vocab_size, page_size=config.cache.page_size,
         max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),
         max_prefill_seqs=sched.max_prefill_seqs, decode_steps=sched.decode_steps,
-        row_params=lambda seq: row_params(seq, eos_ids))
+        row_params=lambda seq: row_params(seq, eos_ids),
+        num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0)
 
 
 def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights: bool = False,
@@ -162,7 +166,8 @@ def step_scratch_bytes(decoder: Decoder, config: EngineConfig, blocks: Callable[
 
 def largest_steps(keys: list[Key], kinds: tuple[str, ...] = STEP_KINDS) -> list[Key]:
     """The largest step of each kind among `keys`: the ones whose scratch memory is measured."""
-    return [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in kinds]
+    return [max((k for k in keys if k[0] == kind), key=lambda k: k[1]) for kind in kinds
+            if any(k[0] == kind for k in keys)]
 
 
 def scratch_reserve(scratch_bytes: int) -> int:

@@ -66,6 +66,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_draft_tokens = 0  # speculative decoding, over all requests
+        self.num_accepted_draft_tokens = 0
         self.stats = Stats()
         self.compile_seconds: dict[Any, float] = {}  # per compiled command shape (jaxserve.engine.build)
         self._in_flight: _InFlight | None = None
@@ -77,6 +79,7 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         validate_prompt(prompt_ids, self.info.vocab_size)
         params.validate(self.info.vocab_size, self.info.max_n)
+        check_speculation(params, self.info)
         if params.stop and self.tokenizer is None:
             # Stop strings are matched on the output text, and without a tokenizer there is none:
             # refused rather than never matching.
@@ -179,8 +182,21 @@ class Engine:
                 taken = self._accept(seq, decode, row, int(decode.num_sampled[row]))
                 decoded[seq] = sum(a.token is not None for a in taken)
                 accepted += taken
+                draft = out.drafts.get(seq)
+                if draft and taken:
+                    self._count_drafts(seq, draft, [a.token for a in taken])
         self.scheduler.advance(out, decoded)
         return accepted
+
+    def _count_drafts(self, seq: Sequence, draft: list[int], taken: list[int | None]) -> None:
+        """Acceptance: a verify step keeps its drafts up to the first token that differs from them."""
+        kept = 0
+        while kept < min(len(draft), len(taken)) and taken[kept] == draft[kept]:
+            kept += 1
+        seq.num_draft_tokens += len(draft)
+        seq.num_accepted_draft_tokens += kept
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_draft_tokens += kept
 
     def _accept(self, seq: Sequence, output: Any, row: int, count: int) -> list[Accepted]:
         if seq.is_finished:  # aborted, or ended by a stop string, while the step ran
@@ -228,6 +244,7 @@ class Engine:
             num_used_pages=alloc.num_used_pages, num_usable_pages=alloc.num_usable_pages,
             prefix_cache_hit_rate=alloc.prefix_cache_hit_rate, num_preemptions=self.num_preemptions,
             num_steps=self.num_steps, request_ids=frozenset(self.requests),
+            num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )
 
     def close(self) -> None:
@@ -242,6 +259,29 @@ class Engine:
 
 def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
     return [c.seq for c in out.prefills if c.samples] + out.decodes
+
+
+MAX_NGRAM_SIZE = 32  # longest n-gram a request may ask prompt lookup to match
+
+
+def check_speculation(params: SamplingParams, info: EngineInfo) -> None:
+    """Per-request speculative-decoding parameters: only on a server that speculates, within what
+    its verify steps were compiled for."""
+    off = {"num_assistant_tokens": params.num_assistant_tokens not in (None, 0),  # 0 (off) is honoured anywhere
+           "max_ngram_size": params.max_ngram_size is not None}
+    for name, asked in off.items():
+        if asked and info.speculative_method is None:
+            raise InvalidRequestError(name, "speculative decoding is off on this server; start it with "
+                                      "--speculative-method ngram to use prompt-lookup decoding")
+    if params.num_assistant_tokens is not None:
+        _check_int("num_assistant_tokens", params.num_assistant_tokens, 0, info.num_speculative_tokens or 0)
+    if params.max_ngram_size is not None:
+        _check_int("max_ngram_size", params.max_ngram_size, 1, MAX_NGRAM_SIZE)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequestError(name, f"must be an integer in [{low}, {high}], got {value!r}")
 
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int) -> None:

@@ -21,6 +21,12 @@ class EngineInfo:
     page_size: int
     num_pages: int
     decode_steps: int  # most decode iterations one device step runs
+    # Speculative decoding (jaxserve.engine.ngram): "ngram" (prompt lookup) or None (off); the
+    # draft tokens a verify step checks per row (per-request num_assistant_tokens may ask fewer),
+    # and the longest n-gram matched by default (per-request max_ngram_size).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    max_ngram_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,8 @@ class Stats:
     prefix_cache_hit_rate: float = 0.0  # prompt tokens served by the prefix cache / tokens looked up
     num_preemptions: int = 0  # sequences preempted (recomputed) so far
     num_steps: int = 0  # device steps run so far
+    num_draft_tokens: int = 0  # speculative tokens proposed so far (all requests)
+    num_accepted_draft_tokens: int = 0  # of which the verify steps accepted
     request_ids: frozenset[str] = frozenset()  # requests in the engine
 
     @property

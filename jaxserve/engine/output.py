@@ -39,6 +39,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Speculative decoding, the request's totals so far over its samples: draft tokens proposed,
+    # and how many of them the verify steps accepted (both 0 when nothing was drafted).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     # Per prompt token (None where not requested); set on the first delta only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -60,6 +64,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda o: o.index)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_draft_tokens = delta.num_draft_tokens
+        self.num_accepted_draft_tokens = delta.num_accepted_draft_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
 

@@ -159,4 +159,6 @@ def request_delta(req: Request, requests: dict[str, Any]) -> RequestOutput | Non
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     return RequestOutput(req.request_id, req.prompt_ids, outputs, finished, req.seqs[0].num_cached_tokens,
-                         prompt_logprobs)
+                         num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
+                         num_accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in req.seqs),
+                         prompt_logprobs=prompt_logprobs)

@@ -13,6 +13,15 @@ length, and the loop stops when every row has or the host's iteration count is d
 the new K/V into the donated cache, read sampling parameters from the device batch through each
 row's slot, count the sampled tokens there for the penalties, and return only the sampled ids and
 logprobs.
+
+A verify step (speculative decoding) takes, for each decoding row, its last token followed by its
+draft tokens, laid out ragged as a prefill's chunks, and samples at every position with the draft
+that follows it as the guess (`sampler.sample`'s `draft`): a row keeps the tokens up to and
+including the first one that differs from its draft (or the one after the whole draft), stopping
+early at an end id. Position j's sample is exact given the tokens before it, and those are the
+draft tokens the row keeps, so greedy rows produce what decode steps would and random rows
+sample the same distribution. The K/V written for rejected positions is simply never read: the
+host advances the row only past the kept tokens, and the next step overwrites those slots.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from jaxserve.parallel import ShardingPlan
 
 PROMPT_LOGPROBS_CHUNK = 128  # rows of prompt logprobs computed at a time (bounds the step's scratch memory)
 
-STEP_KINDS = ("prefill", "decode")
+STEP_KINDS = ("prefill", "decode", "verify")
 
 
 @struct.dataclass
@@ -104,6 +113,7 @@ class StepPrograms:
         jitted = {kind: jax.jit(fn, donate_argnums=(0,), **update_shardings) for kind, fn in updates.items()}
         jitted["prefill"] = jax.jit(self._prefill_fn, donate_argnums=(1, 2), **step_shardings)
         jitted["decode"] = jax.jit(self._decode_fn, donate_argnums=(1, 2), **step_shardings)
+        jitted["verify"] = jax.jit(self._verify_fn, donate_argnums=(1, 2), **step_shardings)
         return jitted
 
     def flat_params(self, params: Any) -> list[Any]:
@@ -217,6 +227,53 @@ class StepPrograms:
             carry = jax.lax.while_loop(more, body, carry)
         _, kv, batch, _, _, _, _, outs, num_sampled = carry
         return kv, batch, StepOutput(outs, num_sampled)
+
+
+    def _verify_fn(self, params: list[Any], kv: KVCache, batch: DeviceBatch,
+                   inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
+        model = self._model(params)
+        batch = _page_updates(batch, inp)
+        tokens, positions, cu = inp["tokens"], inp["positions"], inp["cu_q_lens"]
+        t, s = tokens.shape[0], inp["row_slots"].shape[0]
+        width = t // s  # most tokens a row verifies: its last token and its drafts
+        index = jnp.arange(t)
+        token_row = jnp.minimum(jnp.searchsorted(cu[1:], index, side="right"), s - 1)
+        valid = index < cu[inp["num_seqs"]]
+        row_slots = inp["row_slots"]
+        slots = row_slots[token_row]
+        kv_slots = device_batch.page_slots(batch, slots, positions, valid, self.page_size)
+        hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, batch.page_tables[row_slots], cu,
+                                   inp["kv_lens"], inp["num_seqs"], False)
+        steps = inp["steps"][token_row] + index - cu[token_row]
+        following = jnp.minimum(index + 1, t - 1)
+        draft = jnp.where(valid & (index + 1 < cu[token_row + 1]), tokens[following], -1)
+        sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, slots, steps), draft)
+
+        # Per row [S, width]: position j holds the row's token cu[i] + j.
+        j = jnp.arange(width)[None, :]
+        at = jnp.minimum(cu[:s, None] + j, t - 1)
+        in_row = (j < (cu[1:] - cu[:-1])[:, None]) & (jnp.arange(s) < inp["num_seqs"])[:, None]
+        token = sampled.token[at]
+        ends = device_batch.ends_row(batch, row_slots[:, None].repeat(width, 1).reshape(-1), steps[at].reshape(-1),
+                                     token.reshape(-1)).reshape(s, width)
+        emitted = kept_tokens(token, draft[at], in_row, ends)
+        batch = device_batch.record_tokens(batch, slots[at].reshape(-1), token.reshape(-1), emitted.reshape(-1))
+        rows = jax.tree_util.tree_map(lambda a: jnp.swapaxes(a[at], 0, 1), sampled)  # [width, S, ...]
+        return kv, batch, StepOutput(rows, jnp.sum(emitted, axis=1).astype(jnp.int32))
+
+
+def kept_tokens(token: jax.Array, draft: jax.Array, in_row: jax.Array, ends: jax.Array) -> jax.Array:
+    """Which of a verify step's sampled tokens [S, W] each row keeps: position j's token was
+    sampled after the row's drafts 1..j, so it counts only while every earlier position sampled
+    its draft (`draft` [S, W]: the draft that follows position j, -1 past the last); the first
+    position that did not is the row's last (its token is the correction, or after the whole
+    draft the bonus), and so is the first whose token ends the row (`ends`). `in_row`: the row's
+    real positions."""
+    width = token.shape[1]
+    kept_drafts = jnp.sum(jnp.cumprod(in_row & (token == draft), axis=1), axis=1)
+    emitted = in_row & (jnp.arange(width)[None, :] <= kept_drafts[:, None])
+    ended_before = jnp.cumsum(ends & emitted, axis=1) - (ends & emitted)
+    return emitted & (ended_before == 0)
 
 
 def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:

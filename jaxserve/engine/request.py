@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from jaxserve.engine.ngram import NgramDrafter
     from jaxserve.structured.matcher import Grammar, Matcher
 
 
@@ -52,6 +53,11 @@ class SamplingParams:
     # Structured output, compiled by the API layer (jaxserve.structured): every sampled token keeps
     # the output a prefix of a match, and EOS is allowed only where the output is a complete match.
     grammar: "Grammar | None" = None
+    # Prompt-lookup (n-gram) speculative decoding, on a server started with it: draft tokens per
+    # verify step (None: the server's --num-speculative-tokens; 0: off for this request) and the
+    # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.
+    num_assistant_tokens: int | None = None
+    max_ngram_size: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -157,6 +163,9 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop id or string that matched
     cumulative_logprob: float = 0.0
     matcher: "Matcher | None" = None  # this sample's walk through params.grammar
+    drafter: "NgramDrafter | None" = None  # proposes its speculative tokens (jaxserve.engine.ngram)
+    num_draft_tokens: int = 0  # speculative tokens proposed for it so far
+    num_accepted_draft_tokens: int = 0  # of which verify steps accepted
     slot: int | None = None  # its row of the device batch while running (the scheduler's)
 
     @property

@@ -38,6 +38,7 @@ import heapq
 from collections.abc import Mapping
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.engine.ngram import NgramDrafter
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator
 from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
 from jaxserve.errors import InvalidRequestError, RequestTooLongError
@@ -69,7 +70,13 @@ class SchedulerOutput:
     preempted: list[Sequence] = dataclasses.field(default_factory=list)  # now WAITING, pages and slot freed
     added: list[Sequence] = dataclasses.field(default_factory=list)  # got a slot this step (new or resumed)
     removed: list[int] = dataclasses.field(default_factory=list)  # slots freed since the last output
+    # (slot, pages kept) of page lists cut back since the last output (a verify step's unused
+    # pages): the device's page-table entries from there on are stale and must be resent.
+    cut: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_steps: int = 1  # decode iterations run on the device; pages are reserved for all of them
+    # Speculative decoding: draft tokens of decoding rows (jaxserve.engine.ngram); when any row has
+    # some, the decodes run as one verify step (num_steps 1) and pages are reserved for the drafts.
+    drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -94,6 +101,11 @@ class Scheduler:
             raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
         if config.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {config.decode_steps}")
+        if config.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be 'ngram' or None, got {config.speculative_method!r}")
+        if config.speculative_method is not None and (config.num_speculative_tokens < 1 or config.max_ngram_size < 1):
+            raise ValueError("speculative decoding needs num_speculative_tokens >= 1 and max_ngram_size >= 1, got "
+                             f"{config.num_speculative_tokens} and {config.max_ngram_size}")
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
@@ -105,6 +117,7 @@ class Scheduler:
         # Rows of the device batch: at most max_num_seqs sequences run, each in its own slot.
         self._free_slots: list[int] = list(range(config.max_num_seqs))  # a heap: lowest slot first
         self._freed: list[int] = []  # slots freed since the last output
+        self._cut: list[tuple[int, int]] = []  # page lists cut back since the last output
 
     @property
     def num_running(self) -> int:
@@ -197,9 +210,12 @@ class Scheduler:
         # iterations longer (two loops for a stop string, found a step late under overlap), where
         # single steps cost a host round trip a token. (At 256 concurrent requests on an H100 every
         # step after the first preemption ran one iteration while the preempted waited for pages.)
-        if plan.decodes and not plan.prefills and not plan.preempted:
+        if plan.decodes and self.config.speculative_method is not None:
+            plan.drafts = self._drafts(plan.decodes)
+        if plan.decodes and not plan.prefills and not plan.preempted and not plan.drafts:
             plan.num_steps = self._decode_steps(plan.decodes)
         plan.removed, self._freed = self._freed, []
+        plan.cut, self._cut = self._cut, []
         return plan
 
     def _decode_steps(self, decodes: list[Sequence]) -> int:
@@ -221,6 +237,40 @@ class Scheduler:
                         seq.pages.extend(self.allocator.allocate(num_new))
                 return k
         return 1
+
+    def _drafts(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Each speculating row's draft tokens, cut to what its length allows and to the pages that
+        can be had without preempting anyone (drafts are a bet, never worth a preemption).
+
+        A row speculates unless its request turned it off (num_assistant_tokens 0) or its next
+        tokens depend on host or penalty state the verify step does not advance token by token
+        inside one step: a grammar, bans that follow its last tokens, or penalties."""
+        drafts: dict[Sequence, list[int]] = {}
+        for seq in decodes:
+            p = seq.params
+            want = self.config.num_speculative_tokens if p.num_assistant_tokens is None else p.num_assistant_tokens
+            # Verifying d drafts can add d + 1 tokens.
+            want = min(want, seq.max_total_tokens - seq.num_tokens - 1)
+            penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            if want <= 0 or penalised or not seq.runs_unattended:
+                continue
+            if seq.drafter is None:
+                seq.drafter = NgramDrafter(p.max_ngram_size or self.config.max_ngram_size)
+            seq.drafter.sync(seq.token_ids)
+            draft = seq.drafter.propose(want)
+            if not draft:
+                continue
+            # Positions up to num_tokens - 1 + len(draft) are written.
+            need = self.allocator.pages_for(seq.num_tokens + len(draft)) - len(seq.pages)
+            if need > 0 and not self.allocator.can_allocate(need):
+                room = len(seq.pages) * self.page_size - seq.num_tokens
+                draft = draft[:max(0, room)]
+                need = 0
+            if need > 0:
+                seq.pages.extend(self.allocator.allocate(need))
+            if draft:
+                drafts[seq] = draft
+        return drafts
 
     def _admit(self, plan: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS)."""
@@ -314,6 +364,17 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += 1 if decoded is None else decoded[seq]
                 self._computed(seq)
+                if seq in plan.drafts:
+                    self._give_back_pages(seq)
+
+    def _give_back_pages(self, seq: Sequence) -> None:
+        """Free the pages reserved for rejected draft tokens (beyond the pages the sequence's
+        tokens and its next step need); they hold nothing anyone will read."""
+        keep = self.allocator.pages_for(seq.num_tokens)
+        if len(seq.pages) > keep:
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+            self._cut.append((seq.slot, keep))
 
     def _computed(self, seq: Sequence) -> None:
         self.allocator.register_full_pages(seq)

@@ -15,6 +15,8 @@ Commands, in the order they run:
   ("bans", G)          this step's bans of rows whose bad words depend on their last tokens
   ("prefill", T, S)    the prefill step: T tokens of up to S chunks
   ("decode", S)        the decode step: S rows, 1..decode_steps iterations
+  ("verify", T, S)     instead of the decode step when some row has draft tokens (speculative
+                       decoding): each of S rows' last token and drafts, T = S * (drafts + 1)
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class StepInputBuilder:
         max_prefill_seqs: int,
         decode_steps: int,
         row_params: Callable[[Sequence], RowParams],
+        num_speculative_tokens: int = 0,
     ):
         self.num_slots = num_slots  # including the padding slot num_slots - 1
         self.vocab_size = vocab_size
@@ -84,6 +87,7 @@ class StepInputBuilder:
         self.max_prefill_seqs = max_prefill_seqs
         self.decode_steps = decode_steps
         self.row_params = row_params
+        self.num_speculative_tokens = num_speculative_tokens  # verify steps are compiled when > 0
         self.row_sizes = powers_of_two(1, num_slots - 1)
         self._synced = [0] * num_slots  # page-table entries the device has, per slot
 
@@ -95,10 +99,14 @@ class StepInputBuilder:
     def decode_key(self, num_seqs: int) -> Key:
         return ("decode", self.buckets.decode_bucket(num_seqs))
 
+    def verify_key(self, num_seqs: int) -> Key:
+        seqs = self.buckets.decode_bucket(num_seqs)
+        return ("verify", seqs * (self.num_speculative_tokens + 1), seqs)
+
     def _step_pages(self, key: Key) -> int:
         """Page-table entries a step carries itself: enough for any chunk that continues a
         sequence, or for every decode iteration."""
-        if key[0] == "prefill":
+        if key[0] in ("prefill", "verify"):
             _, tokens, seqs = key
             return math.ceil(tokens / self.page_size) + seqs
         return key[1] * (math.ceil(self.decode_steps / self.page_size) + 1)
@@ -107,6 +115,8 @@ class StepInputBuilder:
         """Every command shape the builder can emit (what the runner compiles)."""
         steps = [self.prefill_key(t) for t in self.buckets.prefill_buckets]
         steps += [self.decode_key(b) for b in self.buckets.decode_buckets]
+        if self.num_speculative_tokens > 0:
+            steps += [self.verify_key(b) for b in self.buckets.decode_buckets]
         updates = [("rows", a) for a in self.row_sizes] + [("masks", g) for g in self.row_sizes]
         updates += [("bans", g) for g in self.row_sizes]
         return updates + [("tokens", TOKEN_CHUNK), ("pages", PAGE_CHUNK)] + steps
@@ -136,6 +146,12 @@ class StepInputBuilder:
                 "sample_rows": ((s,), i32), "steps": ((s,), i32), "samples": ((s,), np.dtype(bool)),
                 "prompt_targets": ((t,), i32), "prompt_top_n": ((t,), i32),
             }
+        if kind == "verify":
+            _, t, s = key
+            return pages | {
+                "tokens": ((t,), i32), "positions": ((t,), i32), "cu_q_lens": ((s + 1,), i32),
+                "kv_lens": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32), "steps": ((s,), i32),
+            }
         s = key[1]
         return pages | {
             "tokens": ((s,), i32), "positions": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32),
@@ -156,6 +172,8 @@ class StepInputBuilder:
         """The commands of `out`. prompt_targets[i]: chunk i's prompt logprobs (or None);
         grammar_mask(seq, mask) fills a constrained row's mask for its next token."""
         commands: list[Command] = []
+        for slot, kept in out.cut:
+            self._synced[slot] = min(self._synced[slot], kept)
         for seq in out.added:
             self._synced[seq.slot] = 0
         commands += self._rows(out.added)
@@ -170,7 +188,13 @@ class StepInputBuilder:
             commands += self._pages([c.seq for c in out.prefills], payload, key)
             commands.append(Command(key, payload))
             steps.prefill = key
-        if out.decodes:
+        if out.decodes and out.drafts:
+            key = self.verify_key(len(out.decodes))
+            payload = self._verify(key, out.decodes, out.drafts)
+            commands += self._pages(out.decodes, payload, key)
+            commands.append(Command(key, payload))
+            steps.decode = key
+        elif out.decodes:
             key = self.decode_key(len(out.decodes))
             payload = self._decode(key, out.decodes, out.num_steps)
             commands += self._pages(out.decodes, payload, key)
@@ -290,6 +314,25 @@ class StepInputBuilder:
             offset += n
         p["cu_q_lens"][len(chunks) + 1:] = offset
         p["num_seqs"] = np.int32(len(chunks))
+        return p
+
+    def _verify(self, key: Key, seqs: list[Sequence], drafts: dict[Sequence, list[int]]) -> Payload:
+        """Each row's last token and its drafts (possibly none), ragged like prefill chunks."""
+        p = self.empty(key)
+        p["row_slots"].fill(self.num_slots - 1)
+        offset = 0
+        for i, seq in enumerate(seqs):
+            row = [seq.token_ids[-1], *drafts.get(seq, ())]
+            n, start = len(row), seq.num_tokens - 1
+            p["tokens"][offset:offset + n] = row
+            p["positions"][offset:offset + n] = np.arange(start, start + n)
+            p["cu_q_lens"][i + 1] = offset + n
+            p["kv_lens"][i] = start + n
+            p["row_slots"][i] = seq.slot
+            p["steps"][i] = seq.num_output_tokens
+            offset += n
+        p["cu_q_lens"][len(seqs) + 1:] = offset
+        p["num_seqs"] = np.int32(len(seqs))
         return p
 
     def _decode(self, key: Key, seqs: list[Sequence], num_steps: int) -> Payload:

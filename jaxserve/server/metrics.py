@@ -1,8 +1,9 @@
 """Prometheus metrics in the text exposition format (no prometheus-client dependency).
 
 Request-level numbers are recorded by the HTTP layer as deltas arrive; engine gauges (running,
-waiting, KV pages, prefix-cache hit rate) are read at scrape time. Names follow vLLM's, with a
-`jaxserve:` prefix, so existing dashboards need only the prefix changed.
+waiting, KV pages, prefix-cache hit rate) and the engine's own counters (speculative tokens) are
+read at scrape time. Names follow vLLM's, with a `jaxserve:` prefix, so existing dashboards need
+only the prefix changed.
 """
 
 from __future__ import annotations
@@ -83,15 +84,20 @@ class Metrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from submission to the first token.")
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from submission to the last token.")
-        self.gauges: list[tuple[str, str, Callable[[], float]]] = []
+        # (name, help, "gauge" or "counter", read): values the engine keeps, read at scrape time.
+        self.readings: list[tuple[str, str, str, Callable[[], float]]] = []
 
     def gauge(self, name: str, help: str, read: Callable[[], float]) -> None:
-        self.gauges.append(("jaxserve:" + name, help, read))
+        self.readings.append(("jaxserve:" + name, help, "gauge", read))
+
+    def counter(self, name: str, help: str, read: Callable[[], float]) -> None:
+        """A running total the engine keeps (`read` never goes down), named with its `_total`."""
+        self.readings.append(("jaxserve:" + name, help, "counter", read))
 
     def render(self) -> str:
         lines: list[str] = []
-        for name, help, read in self.gauges:
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {_fmt(read())}"]
+        for name, help, kind, read in self.readings:
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_fmt(read())}"]
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
             lines += metric.render()
         return "\n".join(lines) + "\n"

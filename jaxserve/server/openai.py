@@ -96,15 +96,40 @@ def _structured_outputs(so: Any) -> GuideSpec | None:
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:
+    sampling.refuse_unhonoured(lambda name: getattr(req, name))
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None,
+          drafts: tuple[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage object. `drafts` (speculative tokens proposed, accepted) fill OpenAI's
+    predicted-output counts, which mean just that: the accepted ones were emitted, the rest
+    were checked and thrown away."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens,
+                            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    details: dict[str, int] = {}
+    if reasoning_tokens is not None:
+        details["reasoning_tokens"] = reasoning_tokens
+    if drafts is not None:
+        details |= prediction_details(*drafts)
+    if details:
+        body["completion_tokens_details"] = details
+    return body
+
+
+def prediction_details(num_draft: int, num_accepted: int) -> dict[str, int]:
+    return {"accepted_prediction_tokens": num_accepted, "rejected_prediction_tokens": num_draft - num_accepted}
+
+
+def draft_counts(state: ServerState, num_draft: int, num_accepted: int) -> tuple[int, int] | None:
+    """(proposed, accepted) speculative tokens to report: on a server that speculates, or when a
+    request drafted any; None otherwise (usage keeps OpenAI's plain shape)."""
+    if num_draft > 0 or state.engine.info.speculative_method is not None:
+        return num_draft, num_accepted
+    return None
 
 
 def _usage_options(req: SamplingFields) -> tuple[bool, bool]:
@@ -118,17 +143,24 @@ def _usage_options(req: SamplingFields) -> tuple[bool, bool]:
 class _Usage:
     """Token counts across a request's engine streams, as deltas arrive."""
 
-    def __init__(self, prompts: list[list[int]]):
+    def __init__(self, state: ServerState, prompts: list[list[int]]):
+        self.state = state
         self.prompt = sum(map(len, prompts))
         self.completion = 0
+        # Per stream; each delta carries its stream's totals so far.
         self.cached: dict[int, int] = {}
+        self.drafted: dict[int, tuple[int, int]] = {}
 
     def add(self, i: int, delta: RequestOutput) -> None:
         self.completion += sum(len(o.token_ids) for o in delta.outputs)
         self.cached[i] = delta.num_cached_tokens
+        self.drafted[i] = (delta.num_draft_tokens, delta.num_accepted_draft_tokens)
 
-    def body(self) -> dict[str, Any]:
-        return usage(self.prompt, self.completion, sum(self.cached.values()))
+    def body(self, reasoning_tokens: int | None = None) -> dict[str, Any]:
+        num_draft = sum(d for d, _ in self.drafted.values())
+        num_accepted = sum(a for _, a in self.drafted.values())
+        return usage(self.prompt, self.completion, sum(self.cached.values()), reasoning_tokens,
+                     draft_counts(self.state, num_draft, num_accepted))
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
@@ -223,7 +255,7 @@ async def completions(state: ServerState) -> Response:
             return sse.sse_response(flight.respond(_completion_stream(state, req, request_id, prompts, flight.streams)))
         results = await flight.collect()
     choices = []
-    total = _Usage(prompts)
+    total = _Usage(state, prompts)
     for i, (ids, res) in enumerate(zip(prompts, results)):
         total.add(i, res)
         echo = state.tokenizer.decode(ids) if req.echo else ""
@@ -247,7 +279,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
                              prompts: list[list[int]], streams: list) -> AsyncIterator[bytes]:
     created = int(time.time())
     include_usage, continuous = _usage_options(req)
-    total = _Usage(prompts)
+    total = _Usage(state, prompts)
     offsets: dict[int, int] = {}
     prompt_lps: dict[int, list[TokenLogprob | None]] = {}  # the engine sends them with the first delta
 

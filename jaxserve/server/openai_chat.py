@@ -21,6 +21,7 @@ from jaxserve.server.openai import (
     chat_logprobs,
     chat_messages,
     chat_prompt,
+    draft_counts,
     guide_spec,
     parse,
     sampling_params,
@@ -89,14 +90,15 @@ async def chat_completions(state: ServerState) -> Response:
             choice["token_ids"] = o.token_ids  # vLLM's place; the message carries both lists too
             choice["message"] |= {"prompt_token_ids": prompt, "completion_token_ids": o.token_ids}
         choices.append(choice)
-    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": usage(len(prompt), sum(len(o.token_ids) for o in res.outputs),
-                                              res.num_cached_tokens),
-            "system_fingerprint": None}
+    num_reasoning = None
     if plan.parser is not None:  # a few full decodes per output: off the event loop
         counts = await asyncio.to_thread(lambda: [reasoning.reasoning_tokens(o.token_ids, state.tokenizer.decode,
                                                                              plan.opened) for o in res.outputs])
-        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": sum(counts)}
+        num_reasoning = sum(counts)
+    token_usage = usage(len(prompt), sum(len(o.token_ids) for o in res.outputs), res.num_cached_tokens,
+                        num_reasoning, draft_counts(state, res.num_draft_tokens, res.num_accepted_draft_tokens))
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": token_usage, "system_fingerprint": None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
@@ -110,17 +112,14 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
     piece of a tag or trigger is held back until the next token decides it."""
     created = int(time.time())
     include_usage, continuous = _usage_options(req)
-    total = _Usage([prompt])
+    total = _Usage(state, [prompt])
     outputs = {i: answers.OutputStream(plan) for i in range(req.n)}
     # Reasoning tokens from the tokens' own text, not the streamed text (which the detokenizer may
     # still hold back for a stop string): the same count as the whole reply's, never going down.
     counters = {i: reasoning.ReasoningCounter(state.tokenizer.decode, plan.opened) for i in range(req.n)}
 
     def usage_body() -> dict[str, Any]:
-        body = total.body()
-        if plan.parser is not None:
-            body["completion_tokens_details"] = {"reasoning_tokens": sum(c.count()[0] for c in counters.values())}
-        return body
+        return total.body(sum(c.count()[0] for c in counters.values()) if plan.parser is not None else None)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created,

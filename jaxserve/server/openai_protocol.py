@@ -53,6 +53,16 @@ class SamplingFields(_Strict):
     return_token_ids: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None
+    # Refused by sampling.refuse_unhonoured: beam search is not implemented (use_beam_search: false is fine).
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+    # OVMS's speculative decoding: prompt lookup (served with --speculative-method ngram) takes
+    # num_assistant_tokens and max_ngram_size; assistant_confidence_threshold needs a draft model
+    # (refused by sampling.refuse_unhonoured).
+    num_assistant_tokens: int | None = None
+    max_ngram_size: int | None = None
+    assistant_confidence_threshold: float | None = None
     # Structured output (jaxserve.structured); checked by openai.guide_spec.
     guided_json: Any = None
     guided_regex: Any = None

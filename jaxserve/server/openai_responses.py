@@ -56,7 +56,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.server import answers, reasoning, responses_tools, sampling, sse
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import Flight, ServerState
-from jaxserve.server.openai import chat_logprobs, parse
+from jaxserve.server.openai import chat_logprobs, draft_counts, parse, prediction_details
 from jaxserve.server.tools import forced_tools, function_schemas
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
@@ -298,6 +298,7 @@ class Reply:
         self.counter = reasoning.ReasoningCounter(state.tokenizer.decode, plan.opened)
         self.token_logprobs: list[dict[str, Any]] = []  # one per output token
         self.num_output = self.num_cached = 0
+        self.num_draft = self.num_accepted = 0  # speculative tokens proposed and accepted so far
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.num_top = req.top_logprobs or 0
@@ -306,6 +307,7 @@ class Reply:
         """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
         ("text", text, logprobs), ("arguments", index, piece), ("close", key)."""
         self.num_cached = delta.num_cached_tokens
+        self.num_draft, self.num_accepted = delta.num_draft_tokens, delta.num_accepted_draft_tokens
         text, sent, finish = "", len(self.logprobs), None
         for o in delta.outputs:
             text += o.text
@@ -438,11 +440,14 @@ class Reply:
         }
 
     def usage(self) -> dict[str, Any]:
-        # No prompt-cache writes are billed here, so cache_write_tokens is always 0.
+        # No prompt-cache writes are billed here, so cache_write_tokens is always 0. Speculative
+        # tokens take chat's predicted-output names (jaxserve.server.openai.usage).
+        output_details: dict[str, int] = {"reasoning_tokens": self.reasoning_tokens()[0]}
+        if (drafts := draft_counts(self.state, self.num_draft, self.num_accepted)) is not None:
+            output_details |= prediction_details(*drafts)
         return {"input_tokens": self.num_prompt,
                 "input_tokens_details": {"cached_tokens": self.num_cached, "cache_write_tokens": 0},
-                "output_tokens": self.num_output,
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()[0]},
+                "output_tokens": self.num_output, "output_tokens_details": output_details,
                 "total_tokens": self.num_prompt + self.num_output}
 
 

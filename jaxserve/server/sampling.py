@@ -4,7 +4,10 @@ A row names the protocol's field, the SamplingParams field it sets, the value a 
 field means, and how the value is converted; `build` reads a request through a table. What a
 table cannot say (a protocol's own logprob switches, bad words that need the tokenizer, the
 max_tokens that chat and completions spell differently) is passed to `build` as computed fields.
-Range checks are SamplingParams.validate's, in the engine's one place.
+Range checks are SamplingParams.validate's, in the engine's one place (the speculative-decoding
+fields' are Engine.add_request's: they depend on how the server was started). Fields a protocol
+carries that this server knows and cannot honour yet are refused by `refuse_unhonoured`, naming
+the field, before a table is read.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server.errors import ApiError
+from jaxserve.server.errors import ApiError, not_supported
 
 NUMBERS = (int, float)
 
@@ -42,6 +45,33 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: A
             raise ApiError(400, f"{f.name}: expected {' or '.join(t.__name__ for t in f.types)}, got {value!r}", f.name)
         kwargs[f.param] = f.convert(value) if f.convert is not None else value
     return SamplingParams(**kwargs, **computed)
+
+
+BEAM_FIELDS = ("length_penalty", "early_stopping")  # beam search's knobs: they mean nothing without it
+UNHONOURED = ("assistant_confidence_threshold", "use_beam_search", *BEAM_FIELDS)  # refuse_unhonoured's
+
+
+def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
+    """400 for a field we know and cannot honour yet: OVMS's assistant_confidence_threshold (a
+    draft model's), and beam search (vLLM's use_beam_search and its length_penalty and
+    early_stopping). `value_of` as build's; `prefix` is where the protocol keeps the fields
+    ("sampling_params." for SGLang), for the name in the error."""
+    threshold = value_of("assistant_confidence_threshold")
+    if threshold is not None and value_of("num_assistant_tokens") is not None:  # OVMS refuses both too
+        raise ApiError(400, f"{prefix}num_assistant_tokens, {prefix}assistant_confidence_threshold: mutually "
+                       "exclusive, give one at most", f"{prefix}assistant_confidence_threshold")
+    if threshold is not None:
+        raise ApiError(400, f"{prefix}assistant_confidence_threshold: it needs a draft model (--speculative-model), "
+                       "not supported yet; prompt-lookup decoding uses num_assistant_tokens + max_ngram_size",
+                       f"{prefix}assistant_confidence_threshold", code="not_supported")
+    beam = value_of("use_beam_search")
+    if beam is not None and not isinstance(beam, bool):
+        raise ApiError(400, f"{prefix}use_beam_search: expected bool, got {beam!r}", f"{prefix}use_beam_search")
+    if beam:
+        raise not_supported(f"{prefix}use_beam_search", "beam search")
+    for name in BEAM_FIELDS:
+        if value_of(name) is not None:
+            raise not_supported(f"{prefix}{name}", "beam search")
 
 
 def stop_list(value: str | list[str]) -> list[str]:
@@ -72,6 +102,7 @@ OPENAI = (
     Field("include_stop_str_in_output", "include_stop_str_in_output"), Field("prompt_logprobs", "prompt_logprobs"),
     Field("skip_special_tokens", "skip_special_tokens"),
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
+    Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
 )
 
 # SGLang's /generate sampling_params.
@@ -85,6 +116,7 @@ SGLANG = (
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
     Field("no_stop_trim", "include_stop_str_in_output"), Field("sampling_seed", "seed"),
     Field("logit_bias", "logit_bias", convert=token_bias("sampling_params.logit_bias")),
+    Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
 )
 
 # Triton's generate extension `parameters` (the vLLM backend's names, and TensorRT-LLM's).
@@ -99,4 +131,6 @@ TRITON = (
     Field("n", "n", types=(int,)), Field("best_of", "best_of", types=(int,)),
     Field("skip_special_tokens", "skip_special_tokens", types=(bool,)),
     Field("include_stop_str_in_output", "include_stop_str_in_output", types=(bool,)),
+    Field("num_assistant_tokens", "num_assistant_tokens", types=(int,)),
+    Field("max_ngram_size", "max_ngram_size", types=(int,)),
 )

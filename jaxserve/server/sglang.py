@@ -44,6 +44,15 @@ class SGLangSamplingParams(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # OVMS's prompt-lookup fields (a server started with --speculative-method ngram honours them).
+    num_assistant_tokens: int | None = None
+    max_ngram_size: int | None = None
+    # Known and refused by sampling.refuse_unhonoured, with a reason rather than "extra field":
+    # a draft model's threshold, and beam search.
+    assistant_confidence_threshold: float | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -84,6 +93,7 @@ def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
 
 
 def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
+    sampling.refuse_unhonoured(lambda name: getattr(sp, name), "sampling_params.")
     return sampling.build(
         sampling.SGLANG, lambda name: getattr(sp, name),
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
@@ -161,12 +171,21 @@ def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: Com
         "prompt_tokens": len(res.prompt_token_ids), "completion_tokens": len(out.token_ids),
         "cached_tokens": res.num_cached_tokens, "e2e_latency": time.monotonic() - stream.start,
     }
+    if res.num_draft_tokens > 0 or state.engine.info.speculative_method is not None:
+        meta |= _speculation(res)
     if req.return_logprob:
         meta |= _logprobs(state, req, out.logprobs or [], res.prompt_token_ids, prompt_logprobs)
     item = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
     if index is not None:
         item["index"] = index
     return item
+
+
+def _speculation(res: RequestOutput) -> dict[str, Any]:
+    """The request's speculative tokens so far (over its samples): proposed, accepted, and the rate."""
+    drafted, accepted = res.num_draft_tokens, res.num_accepted_draft_tokens
+    return {"spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
+            "spec_accept_rate": accepted / drafted if drafted else 0.0}
 
 
 def _finish(out: CompletionOutput, params: SamplingParams) -> dict[str, Any] | None:

@@ -22,6 +22,8 @@ VERSION = "1"
 _GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar"}
 _ACCEPTED = {f.name for f in sampling.TRITON} | _GUIDES | {"stop", "stop_words", "bad_words", "stream",
                                                              "exclude_input_in_output", "end_id"}
+# Known and not accepted: refused with their reason (sampling.refuse_unhonoured), not as unknown.
+_KNOWN = _ACCEPTED | set(sampling.UNHONOURED)
 _TOP_LEVEL = {"id", "text_input", "parameters"}
 
 
@@ -58,13 +60,14 @@ def _request_params(body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "parameters: expected an object", "parameters")
     merged = {k: v for k, v in body.items() if k not in _TOP_LEVEL}
     merged.update(params)
-    unknown = sorted(set(merged) - _ACCEPTED)
+    unknown = sorted(set(merged) - _KNOWN)
     if unknown:
         raise ApiError(400, f"unknown parameter(s) {unknown}; accepted: {sorted(_ACCEPTED)}", unknown[0])
     return merged
 
 
 def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
+    sampling.refuse_unhonoured(params.get)
     stop = _words(params.get("stop"), "stop") + _words(params.get("stop_words"), "stop_words")
     bad = _words(params.get("bad_words"), "bad_words")
     return sampling.build(sampling.TRITON, params.get, stop=stop,

@@ -489,3 +489,44 @@ def test_full_size_vocab_in_bfloat16():
     assert logits[1, out.token[1]] >= np.sort(logits[1])[::-1][49]  # within the top 50 (ties included)
     raw = np.sort(_log_softmax(logits[0]))[::-1][:MAX_TOP_LOGPROBS]  # raw logprobs ignore the ban
     np.testing.assert_allclose(out.top_logprobs[0], raw, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- speculative drafts
+
+SAMPLE_DRAFT = jax.jit(sample)
+
+
+def _draw_with_draft(logits_row: np.ndarray, r: Row, draft: int, n: int = NUM_DRAWS) -> np.ndarray:
+    rows = [dataclasses.replace(r, step=i) for i in range(n)]
+    out = SAMPLE_DRAFT(jnp.asarray(np.tile(logits_row, (n, 1))), _batch(rows, V, n), jnp.full(n, draft, jnp.int32))
+    return np.asarray(out.token)
+
+
+@pytest.mark.parametrize("draft", [10, 3, 50])  # likely, unlikely, filtered out by top_k
+def test_a_draft_leaves_the_distribution_exact(draft):
+    # Speculative sampling against a one-token draft: the kept-or-redrawn token must still follow
+    # the row's (temperature, top-k filtered) distribution, and the draft is kept as often as its
+    # probability says (then the token equals the draft).
+    probs = np.full(V, 0.3 / (V - 3))
+    probs[[10, 3, 20]] = [0.5, 0.05, 0.15]
+    logits = np.log(probs).astype(np.float32)
+    r = make_row(temperature=0.9, top_k=40, seed=77)
+    tokens = _draw_with_draft(logits, r, draft)
+    expected = _keep_top_k(_softmax(logits / 0.9), 40)
+    expected /= expected.sum()
+    _assert_distribution(tokens, expected)
+    kept = np.mean(tokens == draft)
+    sd = np.sqrt(expected[draft] * (1 - expected[draft]) / NUM_DRAWS)
+    assert abs(kept - expected[draft]) < 4 * sd + 1e-9
+
+
+def test_a_draft_never_changes_greedy_rows_or_rows_without_one():
+    logits = _logits(9)
+    rows = [make_row(temperature=0.0), make_row(temperature=1.0, seed=4), make_row(temperature=0.7, top_p=0.9, seed=5)]
+    batch = _batch(rows, V, B)
+    plain = SAMPLE(jnp.asarray(logits), batch)
+    argmax = int(np.argmax(logits[0]))
+    # Row 0 is greedy: its token is the argmax whatever the draft; the others have no draft (-1).
+    drafted = SAMPLE_DRAFT(jnp.asarray(logits), batch, jnp.asarray([(argmax + 1) % V] + [-1] * (B - 1), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(drafted.token), np.asarray(plain.token))
+    np.testing.assert_allclose(np.asarray(drafted.logprob), np.asarray(plain.logprob))

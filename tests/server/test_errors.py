@@ -47,6 +47,11 @@ BAD = [
      "--reasoning-parser"),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt", "exactly one"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "vocabulary"),
+    # Prompt-lookup decoding's fields need a server started with it (the engine's refusal).
+    ("/v1/chat/completions", {"messages": CHAT, "num_assistant_tokens": 3}, 400, "num_assistant_tokens",
+     "--speculative-method ngram"),
+    ("/v1/completions", {"prompt": "Hi", "max_ngram_size": 2}, 400, "max_ngram_size", "--speculative-method ngram"),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, 400, "use_beam_search", "beam search"),
 ]
 
 

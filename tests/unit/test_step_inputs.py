@@ -122,3 +122,73 @@ def test_a_long_cached_prefix_sends_its_pages_before_the_step():
     commands = builder.build(out, [None] * len(out.prefills)).commands
     kinds = [c.key[0] for c in commands]
     assert kinds.count("pages") == 3 and kinds.index("prefill") > max(i for i, k in enumerate(kinds) if k == "pages")
+
+
+def test_verify_steps_keep_the_device_page_tables_exact_as_drafts_come_and_go():
+    """Prompt lookup: a verify step's rows carry their last token and drafts, pages are reserved
+    for the drafts and the unused ones given back after; the page table the device would hold
+    (every entry any command sent, applied in order) must equal each running row's pages after
+    every step, also when given-back pages are handed to other rows."""
+    import random
+
+    rng = random.Random(0)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_seqs=4, max_model_len=512,
+                            speculative_method="ngram", num_speculative_tokens=6, max_ngram_size=2)
+    # Tiny pages, so drafts cross page boundaries; a long free list (FIFO), so a page given back is
+    # not the one the row gets next.
+    scheduler = Scheduler(sched, PageAllocator(200, 4), 4)
+    builder = StepInputBuilder(num_slots=5, vocab_size=VOCAB, page_size=4, max_pages_per_seq=128,
+                               buckets=BucketTable(sched), max_prefill_seqs=4, decode_steps=1,
+                               row_params=lambda seq: row_params(seq, EOS), num_speculative_tokens=6)
+    keys = builder.keys()
+    assert any(k[0] == "verify" for k in keys)
+    seqs = []
+    for i in range(4):
+        prompt = [10 + i, 20, 30, 40, 50, 60] * 3  # repeats: there is always something to draft
+        seq = Sequence(request_id=f"v{i}", token_ids=prompt, num_prompt_tokens=len(prompt),
+                       params=SamplingParams(max_tokens=60), max_total_tokens=len(prompt) + 60, seed=i)
+        scheduler.add(seq)
+        seqs.append(seq)
+    device: dict[tuple[int, int], int] = {}
+    verified = 0
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        commands = builder.build(out, [None] * len(out.prefills))
+        for command in commands.commands:
+            spec = builder.abstract(command.key)
+            assert {n: (a.shape, a.dtype) for n, a in command.payload.items()} == spec
+            p = command.payload
+            names = ("slots", "index", "pages") if command.key[0] == "pages" else ("page_slots", "page_index", "page_ids")
+            if names[0] in p and names[1] in p:
+                for slot, index, page in zip(*(p[n] for n in names)):
+                    if slot < builder.num_slots:
+                        device[(int(slot), int(index))] = int(page)
+        if out.drafts:
+            assert commands.decode[0] == "verify"
+            verify = next(c.payload for c in commands.commands if c.key == commands.decode)
+            for i, seq in enumerate(out.decodes):
+                row = verify["tokens"][verify["cu_q_lens"][i]:verify["cu_q_lens"][i + 1]].tolist()
+                assert row == [seq.token_ids[-1], *out.drafts.get(seq, [])]
+                assert verify["kv_lens"][i] == seq.num_tokens + len(out.drafts.get(seq, []))
+            verified += 1
+        decoded = {}
+        for chunk in out.prefills:
+            if chunk.samples:
+                chunk.seq.token_ids.append(7)
+        for seq in out.decodes:
+            draft = out.drafts.get(seq, [])
+            kept = rng.randint(0, len(draft))
+            new = (draft[:kept] + [7])[: seq.max_total_tokens - seq.num_tokens]
+            seq.token_ids += new
+            decoded[seq] = len(new)
+        scheduler.advance(out, decoded)
+        for seq in list(scheduler.running):
+            if seq.num_tokens >= seq.max_total_tokens:
+                scheduler.finish(seq, FinishReason.LENGTH)
+        scheduler.check_integrity()
+        for seq in scheduler.running:
+            assert [device.get((seq.slot, i)) for i in range(len(seq.pages))] == seq.pages
+            assert len(seq.pages) <= -(-seq.num_tokens // 4)  # no page held for rejected drafts
+    assert not scheduler.has_unfinished() and verified > 10
