@@ -27,6 +27,7 @@ from jaxserve.config import (
     StructuredOutputConfig,
     default_cache_dir,
 )
+from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -207,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "verify steps are compiled for K + 1 tokens a row); requests may ask fewer with "
                    "num_assistant_tokens")
     e.add_argument("--max-ngram-size", type=int, default=3, metavar="N",
-                   help="with --speculative-method ngram: the longest n-gram looked up (longer matches are tried "
-                   "first, down to one token); requests may set their own max_ngram_size")
+                   help="with --speculative-method ngram: the longest n-gram looked up, at most 8 (longer matches "
+                   "are tried first, down to one token); requests may set their own max_ngram_size")
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
@@ -362,9 +363,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.decode_steps is not None and args.decode_steps < 1:
         raise ConfigError(f"--decode-steps must be >= 1, got {args.decode_steps}")
-    if args.num_speculative_tokens < 1 or args.max_ngram_size < 1:
-        raise ConfigError("--num-speculative-tokens and --max-ngram-size must be >= 1, got "
-                          f"{args.num_speculative_tokens} and {args.max_ngram_size}")
+    if args.num_speculative_tokens < 1:
+        raise ConfigError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if not 1 <= args.max_ngram_size <= MAX_NGRAM_SIZE:
+        raise ConfigError(f"--max-ngram-size must be in [1, {MAX_NGRAM_SIZE}], got {args.max_ngram_size}")
     if args.num_pages is not None and args.num_pages < 2:
         raise ConfigError(f"--num-pages must be >= 2, got {args.num_pages}")
     for flag in ("max_concurrent_requests", "max_request_bytes", "max_n", "structured_output_max_mib",

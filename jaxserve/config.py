@@ -64,6 +64,7 @@ class SchedulerConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     max_ngram_size: int = 3
+    min_ngram_size: int = 1  # shorter matches are not drafted from (vLLM's prompt_lookup_min)
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
 

@@ -130,7 +130,8 @@ class LLM:
         GGUF, "auto" keeps the checkpoint's precision, "gguf" a GGUF's blocks strictly, as
         --quantization. speculative_config: vLLM's dict for prompt-lookup decoding,
         {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, as
-        --speculative-method ngram --num-speculative-tokens 5 --max-ngram-size 3."""
+        --speculative-method ngram --num-speculative-tokens 5 --max-ngram-size 3 (and
+        "prompt_lookup_min": the shortest match drafted from, 1 by default)."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -336,18 +337,18 @@ def _speculative(config: dict[str, Any] | None) -> dict[str, Any]:
     """SchedulerConfig fields of a vLLM-style speculative_config (prompt lookup only)."""
     if config is None:
         return {}
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
     if config.get("method") != "ngram":
         raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {config.get('method')!r}")
-    for key in ("num_speculative_tokens", "prompt_lookup_max"):
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         value = config.get(key, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
     return {"speculative_method": "ngram", "num_speculative_tokens": config.get("num_speculative_tokens", 5),
-            "max_ngram_size": config.get("prompt_lookup_max", 3)}
+            "max_ngram_size": config.get("prompt_lookup_max", 3), "min_ngram_size": config.get("prompt_lookup_min", 1)}
 
 
 def _resolve_task(config: Config) -> str:

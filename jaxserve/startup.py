@@ -156,6 +156,10 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                     "not time (only the native CPU kernel reads 4-bit weights fast so far)", quantization)
     log.info("products: %s%s", products.describe_backend(matmul_backend), products.describe_quantization(quantization, group))
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
+    if scheduler.speculative_method is not None:
+        log.info("speculative decoding: %s (prompt lookup), up to %d draft tokens per verify step, n-grams of up "
+                 "to %d tokens", scheduler.speculative_method, scheduler.num_speculative_tokens,
+                 scheduler.max_ngram_size)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from jaxserve.engine.info import EngineInfo, Stats
+from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
 from jaxserve.engine.request import SamplingParams, Sequence
@@ -115,7 +116,9 @@ class Engine:
         want_logprobs = req.params.logprobs is not None
         outputs = [text.delta(seq, i, want_logprobs) for i, (seq, text) in enumerate(zip(req.seqs, req.texts))]
         self._publish()
-        return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True, req.seqs[0].num_cached_tokens)
+        return RequestOutput(request_id, req.prompt_ids, [o for o in outputs if o], True, req.seqs[0].num_cached_tokens,
+                             num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
+                             num_accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in req.seqs))
 
     def abort_all(self) -> list[RequestOutput]:
         return [out for request_id in list(self.requests) if (out := self.abort(request_id)) is not None]
@@ -259,9 +262,6 @@ class Engine:
 
 def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
     return [c.seq for c in out.prefills if c.samples] + out.decodes
-
-
-MAX_NGRAM_SIZE = 32  # longest n-gram a request may ask prompt lookup to match
 
 
 def check_speculation(params: SamplingParams, info: EngineInfo) -> None:

@@ -17,6 +17,11 @@ draft rather than the one or two tokens that followed its latest occurrence.
 
 from __future__ import annotations
 
+# The index holds one entry per position per n-gram size, built for the whole prompt on the
+# sequence's first decode step (inside the scheduler): a 32k-token prompt took 61 ms and 10 MiB
+# at size 3, and 0.7 s and ~210 MiB at size 32. Matches longer than a few tokens add little.
+MAX_NGRAM_SIZE = 8
+
 
 class NgramDrafter:
     def __init__(self, max_ngram_size: int, min_ngram_size: int = 1):

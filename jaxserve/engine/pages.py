@@ -66,6 +66,11 @@ class PageAllocator:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_unused_pages(self) -> int:
+        """Free pages that hold nothing: allocating up to this many evicts no cached prefix."""
+        return len(self._free)
+
+    @property
     def num_evictable_pages(self) -> int:
         return len(self._evictable)
 

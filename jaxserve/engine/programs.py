@@ -15,13 +15,16 @@ row's slot, count the sampled tokens there for the penalties, and return only th
 logprobs.
 
 A verify step (speculative decoding) takes, for each decoding row, its last token followed by its
-draft tokens, laid out ragged as a prefill's chunks, and samples at every position with the draft
-that follows it as the guess (`sampler.sample`'s `draft`): a row keeps the tokens up to and
-including the first one that differs from its draft (or the one after the whole draft), stopping
-early at an end id. Position j's sample is exact given the tokens before it, and those are the
-draft tokens the row keeps, so greedy rows produce what decode steps would and random rows
-sample the same distribution. The K/V written for rejected positions is simply never read: the
-host advances the row only past the kept tokens, and the next step overwrites those slots.
+draft tokens, laid out ragged as a prefill's chunks, and samples at every position exactly as a
+decode step would (same seed, same step number, so the same Gumbel noise): a row keeps the tokens
+up to and including the first one that differs from the draft that followed it (or the one after
+the whole draft), stopping early at an end id. Position j's token is sampled given the tokens
+before it, and those are the drafts the row keeps, which equal what it sampled there: so every
+row, greedy or seeded, produces the very tokens decode steps would, and a draft is accepted with
+the probability the model gives it (what speculative sampling's rejection step gives for a draft
+that proposes one token with certainty, with the draws of plain decoding). The K/V written for
+rejected positions is never read: the host advances the row only past the kept tokens, and the
+next step overwrites those slots.
 """
 
 from __future__ import annotations
@@ -247,7 +250,7 @@ class StepPrograms:
         steps = inp["steps"][token_row] + index - cu[token_row]
         following = jnp.minimum(index + 1, t - 1)
         draft = jnp.where(valid & (index + 1 < cu[token_row + 1]), tokens[following], -1)
-        sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, slots, steps), draft)
+        sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, slots, steps))
 
         # Per row [S, width]: position j holds the row's token cu[i] + j.
         j = jnp.arange(width)[None, :]

@@ -110,14 +110,8 @@ class SampleOutput:
     top_logprobs: Array  # f32[B, MAX_TOP_LOGPROBS]; -inf beyond the row's num_logprobs
 
 
-def sample(logits: Array, batch: SamplingBatch, draft: Array | None = None) -> SampleOutput:
-    """Sample one token per row from logits [B, V] (any float dtype; computed in float32).
-
-    draft [B] (speculative decoding; -1: none): a guessed token per row. Greedy rows take the
-    argmax as ever (the guess holds if it is the argmax). Random rows keep the guess with the
-    probability the row's distribution gives it, and otherwise draw from that distribution with
-    the guess excluded (`_verify_draft`): either way the token is an exact sample of the row's
-    distribution, and it equals the guess exactly when the guess is accepted."""
+def sample(logits: Array, batch: SamplingBatch) -> SampleOutput:
+    """Sample one token per row from logits [B, V] (any float dtype; computed in float32)."""
     raw = logits.astype(jnp.float32)  # [B, V]
     x = _apply_bias(raw, batch.bias_ids, batch.bias_values)
     x = jax.lax.cond(jnp.any(batch.constrained), _apply_grammar, lambda v, _: v, x, batch)
@@ -136,7 +130,7 @@ def sample(logits: Array, batch: SamplingBatch, draft: Array | None = None) -> S
     # Filtering and drawing are the expensive parts; an all-greedy batch skips both.
     token = jax.lax.cond(
         jnp.any(is_random),
-        lambda: jnp.where(is_random, _draw(scaled, batch, is_random, greedy_token, draft), greedy_token),
+        lambda: jnp.where(is_random, _draw(scaled, batch, is_random, greedy_token), greedy_token),
         lambda: greedy_token,
     )
 
@@ -198,9 +192,8 @@ def _penalise(x: Array, batch: SamplingBatch) -> Array:
     )
 
 
-def _draw(scaled: Array, batch: SamplingBatch, is_random: Array, fallback: Array, draft: Array | None = None) -> Array:
-    """Sample from the min_p / top_k / top_p filtered, temperature-scaled logits (against a
-    draft token when one is given: see `sample`)."""
+def _draw(scaled: Array, batch: SamplingBatch, is_random: Array, fallback: Array) -> Array:
+    """Sample from the min_p / top_k / top_p filtered, temperature-scaled logits."""
     vocab_size = scaled.shape[-1]
     x = _apply_min_p(scaled, batch.min_p)
     # Greedy rows never need filtering (the argmax always survives it), so they don't trigger it.
@@ -213,30 +206,7 @@ def _draw(scaled: Array, batch: SamplingBatch, is_random: Array, fallback: Array
     )
     p_active = is_random & (batch.top_p < 1.0)
     x = jax.lax.cond(jnp.any(p_active), lambda v: _apply_top_p(v, batch.top_p, p_active), lambda v: v, x)
-    if draft is None:
-        return _gumbel_max(x, batch.seed, batch.step, fallback)
-    return _verify_draft(x, batch.seed, batch.step, draft, fallback)
-
-
-def _verify_draft(x: Array, seed: Array, step: Array, draft: Array, fallback: Array) -> Array:
-    """Speculative sampling (Leviathan et al., Chen et al.) for a draft that proposes one token
-    with certainty, as prompt lookup does: keep the draft d with probability p(d), else draw from
-    p with d removed and renormalised. P(d) = p(d) and P(y) = (1 - p(d)) p(y) / (1 - p(d)) = p(y)
-    for y != d, so the result is distributed exactly as p. The acceptance uniform and the
-    residual's Gumbel noise come from the row's own (seed, step) key, like every draw."""
-    vocab_size = x.shape[-1]
-    has = draft >= 0
-    d = jnp.clip(draft, 0, vocab_size - 1)
-    p_draft = jnp.exp(jnp.take_along_axis(x, d[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1))
-    u = jax.vmap(_row_uniform)(seed, step)
-    accept = has & (u < p_draft)
-    residual = jnp.where(has[:, None] & (jnp.arange(vocab_size)[None, :] == d[:, None]), _NEG_INF, x)
-    return jnp.where(accept, d, _gumbel_max(residual, seed, step, fallback))
-
-
-def _row_uniform(seed: Array, step: Array) -> Array:
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), step), 1)
-    return jax.random.uniform(key, (), jnp.float32)
+    return _gumbel_max(x, batch.seed, batch.step, fallback)
 
 
 def _row_gumbel(seed: Array, step: Array, vocab_size: int) -> Array:

@@ -38,7 +38,7 @@ import heapq
 from collections.abc import Mapping
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.engine.ngram import NgramDrafter
+from jaxserve.engine.ngram import MAX_NGRAM_SIZE, NgramDrafter
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator
 from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
 from jaxserve.errors import InvalidRequestError, RequestTooLongError
@@ -103,9 +103,12 @@ class Scheduler:
             raise ValueError(f"decode_steps must be >= 1, got {config.decode_steps}")
         if config.speculative_method not in (None, "ngram"):
             raise ValueError(f"speculative_method must be 'ngram' or None, got {config.speculative_method!r}")
-        if config.speculative_method is not None and (config.num_speculative_tokens < 1 or config.max_ngram_size < 1):
-            raise ValueError("speculative decoding needs num_speculative_tokens >= 1 and max_ngram_size >= 1, got "
-                             f"{config.num_speculative_tokens} and {config.max_ngram_size}")
+        if config.speculative_method is not None and (
+                config.num_speculative_tokens < 1 or not 1 <= config.max_ngram_size <= MAX_NGRAM_SIZE
+                or config.min_ngram_size < 1):
+            raise ValueError(f"speculative decoding needs num_speculative_tokens >= 1, max_ngram_size in [1, "
+                             f"{MAX_NGRAM_SIZE}] and min_ngram_size >= 1, got {config.num_speculative_tokens}, "
+                             f"{config.max_ngram_size} and {config.min_ngram_size}")
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
@@ -240,7 +243,8 @@ class Scheduler:
 
     def _drafts(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
         """Each speculating row's draft tokens, cut to what its length allows and to the pages that
-        can be had without preempting anyone (drafts are a bet, never worth a preemption).
+        can be had without preempting anyone or evicting a cached prefix (drafts are a bet, never
+        worth a preemption or a recompute).
 
         A row speculates unless its request turned it off (num_assistant_tokens 0) or its next
         tokens depend on host or penalty state the verify step does not advance token by token
@@ -255,14 +259,15 @@ class Scheduler:
             if want <= 0 or penalised or not seq.runs_unattended:
                 continue
             if seq.drafter is None:
-                seq.drafter = NgramDrafter(p.max_ngram_size or self.config.max_ngram_size)
+                longest = p.max_ngram_size or self.config.max_ngram_size
+                seq.drafter = NgramDrafter(longest, min(self.config.min_ngram_size, longest))
             seq.drafter.sync(seq.token_ids)
             draft = seq.drafter.propose(want)
             if not draft:
                 continue
             # Positions up to num_tokens - 1 + len(draft) are written.
             need = self.allocator.pages_for(seq.num_tokens + len(draft)) - len(seq.pages)
-            if need > 0 and not self.allocator.can_allocate(need):
+            if need > self.allocator.num_unused_pages:
                 room = len(seq.pages) * self.page_size - seq.num_tokens
                 draft = draft[:max(0, room)]
                 need = 0

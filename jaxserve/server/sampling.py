@@ -47,14 +47,16 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: A
     return SamplingParams(**kwargs, **computed)
 
 
-BEAM_FIELDS = ("length_penalty", "early_stopping")  # beam search's knobs: they mean nothing without it
+# Beam search's knobs, with the values that ask nothing of it (vLLM's defaults, which some clients
+# always send): anything else means nothing without beam search.
+BEAM_FIELDS = {"length_penalty": 1.0, "early_stopping": False}
 UNHONOURED = ("assistant_confidence_threshold", "use_beam_search", *BEAM_FIELDS)  # refuse_unhonoured's
 
 
 def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
     """400 for a field we know and cannot honour yet: OVMS's assistant_confidence_threshold (a
-    draft model's), and beam search (vLLM's use_beam_search and its length_penalty and
-    early_stopping). `value_of` as build's; `prefix` is where the protocol keeps the fields
+    draft model's), and beam search (vLLM's use_beam_search, and its length_penalty and
+    early_stopping unless neutral). `value_of` as build's; `prefix` is where the protocol keeps the fields
     ("sampling_params." for SGLang), for the name in the error."""
     threshold = value_of("assistant_confidence_threshold")
     if threshold is not None and value_of("num_assistant_tokens") is not None:  # OVMS refuses both too
@@ -69,8 +71,9 @@ def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
         raise ApiError(400, f"{prefix}use_beam_search: expected bool, got {beam!r}", f"{prefix}use_beam_search")
     if beam:
         raise not_supported(f"{prefix}use_beam_search", "beam search")
-    for name in BEAM_FIELDS:
-        if value_of(name) is not None:
+    for name, neutral in BEAM_FIELDS.items():
+        value = value_of(name)
+        if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
             raise not_supported(f"{prefix}{name}", "beam search")
 
 

@@ -184,7 +184,7 @@ def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: Com
 def _speculation(res: RequestOutput) -> dict[str, Any]:
     """The request's speculative tokens so far (over its samples): proposed, accepted, and the rate."""
     drafted, accepted = res.num_draft_tokens, res.num_accepted_draft_tokens
-    return {"spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
+    return {"spec_draft_token_num": drafted, "spec_accept_token_num": accepted,
             "spec_accept_rate": accepted / drafted if drafted else 0.0}
 
 

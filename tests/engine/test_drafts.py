@@ -80,3 +80,15 @@ def test_a_verify_step_keeps_drafts_up_to_the_first_miss_or_end():
     kept = np.asarray(kept_tokens(jnp.asarray(token), jnp.asarray(draft), jnp.asarray(in_row), jnp.asarray(ends)))
     assert kept.sum(axis=1).tolist() == [4, 2, 2, 1, 0]
     assert kept[1].tolist() == [True, True, False, False]
+
+
+def test_llm_speculative_config_is_checked_before_anything_loads():
+    import pytest
+
+    from jaxserve import LLM
+
+    for bad, message in (({"method": "eagle"}, "method must be 'ngram'"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                         ({"method": "ngram", "draft_model": "x"}, "unknown keys")):
+        with pytest.raises(ValueError, match=message):
+            LLM(speculative_config=bad)

@@ -1,9 +1,9 @@
 """Prompt-lookup speculative decoding end to end on SmolLM2 (float32, CPU): greedy outputs equal
 those of plain decoding token for token under chunking, preemption and prefix hits; every ending
 (EOS, stop ids, stop strings, length) and the rows that do not speculate (penalties, grammars)
-give what the engine without speculation gives; seeded sampling stays reproducible whatever the
-batch; drafts are accepted on copy-heavy prompts; per-request parameters are honoured or refused.
-The sampler's exactness for random rows is tested in test_sampler (test_a_draft_*)."""
+give what the engine without speculation gives; seeded samples are plain decoding's very draws,
+whatever the batch; drafts are accepted on copy-heavy prompts; per-request parameters are
+honoured or refused."""
 
 from __future__ import annotations
 
@@ -163,32 +163,15 @@ def test_per_request_parameters_are_checked(engine, plain, smollm2_tokenizer):
     assert not engine.has_unfinished() and not plain.has_unfinished()
 
 
-def test_sampled_outputs_follow_the_distribution_of_plain_decoding(engine, plain, smollm2_tokenizer):
-    """Two-sample chi-square tests, position by position, over the tokens of many seeded samples:
-    with drafts kept or redrawn by the verify step, each output position must be distributed as
-    plain decoding's (fixed seeds: the verdict is deterministic). A misplaced draft or sampling
-    step shows as a different law at the positions after the first (which prefill samples)."""
-    from scipy.stats import chi2_contingency
-
+def test_seeded_samples_are_the_draws_of_plain_decoding(engine, plain, smollm2_tokenizer):
+    """A verify step samples every position with the seed and step number a decode step would use,
+    so seeded sampling gives the very tokens plain decoding gives (and thus its distribution),
+    whatever the drafts; the drafts kept are those the model drew anyway."""
     prompt = _copy_prompt(smollm2_tokenizer)
-    draws: dict[str, list[list[int]]] = {}
-    accepted = 0
-    for name, eng, base in (("spec", engine, 1000), ("plain", plain, 5000)):
-        results = _run(eng, [prompt] * 40, [SamplingParams(temperature=1.0, max_tokens=5, n=4, seed=base + 10 * i,
-                                                           ignore_eos=True) for i in range(40)], f"law-{name}")
-        draws[name] = [o.token_ids for r in results for o in r.outputs]
-        if name == "spec":
-            accepted = sum(r.num_accepted_draft_tokens for r in results)
-    assert accepted > 50  # the verify step kept (and redrew) many sampled drafts
-    tested = 0
-    for position in range(1, 5):
-        spec = [t[position] for t in draws["spec"]]
-        ref = [t[position] for t in draws["plain"]]
-        common = [k for k in set(spec) | set(ref) if spec.count(k) + ref.count(k) >= 10]
-        table = [[spec.count(k), ref.count(k)] for k in common]
-        table.append([sum(t not in common for t in spec), sum(t not in common for t in ref)])
-        table = [row for row in table if sum(row)]
-        if len(table) >= 2:
-            tested += 1
-            assert chi2_contingency(table)[1] > 1e-3 / 4, (position, table)
-    assert tested >= 3, "test design: too few positions with varied tokens"
+    work = [SamplingParams(temperature=t, top_p=p, max_tokens=24, n=2, seed=100 + i, ignore_eos=True)
+            for i, (t, p) in enumerate([(0.7, 1.0), (1.0, 1.0), (1.0, 0.9), (0.4, 1.0)])]
+    got = {name: _run(eng, [prompt] * len(work), work, f"draws-{name}") for name, eng in
+           (("spec", engine), ("plain", plain))}
+    for s, p in zip(got["spec"], got["plain"]):
+        assert [o.token_ids for o in s.outputs] == [o.token_ids for o in p.outputs]
+    assert sum(r.num_accepted_draft_tokens for r in got["spec"]) > 20

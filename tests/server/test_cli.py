@@ -40,6 +40,17 @@ def test_model_name_and_prompt_flags(tmp_path):
     assert config_from_args(parse_args(["--config", str(cfg)])).model.served_model_names == ("one",)
 
 
+def test_speculative_flags():
+    sched = config_from_args(parse_args(["--model", "/m", "--speculative-method", "ngram",
+                                         "--num-speculative-tokens", "3", "--max-ngram-size", "2"])).scheduler
+    assert (sched.speculative_method, sched.num_speculative_tokens, sched.max_ngram_size) == ("ngram", 3, 2)
+    assert config_from_args(parse_args(["--model", "/m"])).scheduler.speculative_method is None
+    with pytest.raises(ConfigError, match="--num-speculative-tokens"):
+        config_from_args(parse_args(["--model", "/m", "--speculative-method", "ngram", "--num-speculative-tokens", "0"]))
+    with pytest.raises(SystemExit):  # argparse: only the methods built
+        parse_args(["--model", "/m", "--speculative-method", "eagle"])
+
+
 def test_yaml_config_and_cli_precedence(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: /m\nport: 9000\nmax-model-len: 512\napi_key: secret\ndtype: bfloat16\n")
