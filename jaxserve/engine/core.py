@@ -21,7 +21,7 @@ from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
-from jaxserve.engine.request import SamplingParams, Sequence
+from jaxserve.engine.request import SamplingParams, Sequence, _int_range
 from jaxserve.errors import InvalidRequestError
 from jaxserve.engine.rows import MAX_BANNED_IDS
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -274,14 +274,9 @@ def check_speculation(params: SamplingParams, info: EngineInfo) -> None:
             raise InvalidRequestError(name, "speculative decoding is off on this server; start it with "
                                       "--speculative-method ngram to use prompt-lookup decoding")
     if params.num_assistant_tokens is not None:
-        _check_int("num_assistant_tokens", params.num_assistant_tokens, 0, info.num_speculative_tokens or 0)
+        _int_range("num_assistant_tokens", params.num_assistant_tokens, 0, info.num_speculative_tokens or 0)
     if params.max_ngram_size is not None:
-        _check_int("max_ngram_size", params.max_ngram_size, 1, MAX_NGRAM_SIZE)
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidRequestError(name, f"must be an integer in [{low}, {high}], got {value!r}")
+        _int_range("max_ngram_size", params.max_ngram_size, 1, MAX_NGRAM_SIZE)
 
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int) -> None:

@@ -170,10 +170,10 @@ class StepPrograms:
             rows = jnp.pad(rows, ((0, self.min_rows - s), (0, 0)))
         return model.logits(rows)[:s]  # [S, vocab] float32
 
-    def _prefill_fn(self, params: list[Any], kv: KVCache, batch: DeviceBatch,
-                    inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
-        model = self._model(params)
-        batch = _page_updates(batch, inp)
+    def _ragged_forward(self, model: Decoder, kv: KVCache, batch: DeviceBatch,
+                        inp: Payload) -> tuple[jax.Array, KVCache, jax.Array]:
+        """The model over a ragged step's chunks (prefill, verify): hidden [T, H], the new cache,
+        and each token's row [T] (padding tokens: the last row, with nothing written)."""
         t, s = inp["tokens"].shape[0], inp["row_slots"].shape[0]
         cu = inp["cu_q_lens"]
         token_row = jnp.minimum(jnp.searchsorted(cu[1:], jnp.arange(t), side="right"), s - 1)
@@ -182,6 +182,15 @@ class StepPrograms:
         kv_slots = device_batch.page_slots(batch, row_slots[token_row], inp["positions"], valid, self.page_size)
         hidden, kv = self._forward(model, kv, inp["tokens"], inp["positions"], kv_slots,
                                    batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False)
+        return hidden, kv, token_row
+
+    def _prefill_fn(self, params: list[Any], kv: KVCache, batch: DeviceBatch,
+                    inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
+        model = self._model(params)
+        batch = _page_updates(batch, inp)
+        s = inp["row_slots"].shape[0]
+        row_slots = inp["row_slots"]
+        hidden, kv, _ = self._ragged_forward(model, kv, batch, inp)
         sampled = sample(self._logits(model, hidden[inp["sample_rows"]]),
                          device_batch.sampling_rows(batch, row_slots, inp["steps"]))
         samples = inp["samples"] & (jnp.arange(s) < inp["num_seqs"])
@@ -236,17 +245,13 @@ class StepPrograms:
                    inp: Payload) -> tuple[KVCache, DeviceBatch, StepOutput]:
         model = self._model(params)
         batch = _page_updates(batch, inp)
-        tokens, positions, cu = inp["tokens"], inp["positions"], inp["cu_q_lens"]
+        tokens, cu = inp["tokens"], inp["cu_q_lens"]
         t, s = tokens.shape[0], inp["row_slots"].shape[0]
         width = t // s  # most tokens a row verifies: its last token and its drafts
         index = jnp.arange(t)
-        token_row = jnp.minimum(jnp.searchsorted(cu[1:], index, side="right"), s - 1)
+        hidden, kv, token_row = self._ragged_forward(model, kv, batch, inp)
         valid = index < cu[inp["num_seqs"]]
-        row_slots = inp["row_slots"]
-        slots = row_slots[token_row]
-        kv_slots = device_batch.page_slots(batch, slots, positions, valid, self.page_size)
-        hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, batch.page_tables[row_slots], cu,
-                                   inp["kv_lens"], inp["num_seqs"], False)
+        slots = inp["row_slots"][token_row]
         steps = inp["steps"][token_row] + index - cu[token_row]
         following = jnp.minimum(index + 1, t - 1)
         draft = jnp.where(valid & (index + 1 < cu[token_row + 1]), tokens[following], -1)
@@ -257,7 +262,7 @@ class StepPrograms:
         at = jnp.minimum(cu[:s, None] + j, t - 1)
         in_row = (j < (cu[1:] - cu[:-1])[:, None]) & (jnp.arange(s) < inp["num_seqs"])[:, None]
         token = sampled.token[at]
-        ends = device_batch.ends_row(batch, row_slots[:, None].repeat(width, 1).reshape(-1), steps[at].reshape(-1),
+        ends = device_batch.ends_row(batch, slots[at].reshape(-1), steps[at].reshape(-1),
                                      token.reshape(-1)).reshape(s, width)
         emitted = kept_tokens(token, draft[at], in_row, ends)
         batch = device_batch.record_tokens(batch, slots[at].reshape(-1), token.reshape(-1), emitted.reshape(-1))

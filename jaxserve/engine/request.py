@@ -64,6 +64,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether its logits depend on the tokens so far (penalty counts kept on the device)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

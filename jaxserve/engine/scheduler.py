@@ -255,8 +255,7 @@ class Scheduler:
             want = self.config.num_speculative_tokens if p.num_assistant_tokens is None else p.num_assistant_tokens
             # Verifying d drafts can add d + 1 tokens.
             want = min(want, seq.max_total_tokens - seq.num_tokens - 1)
-            penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            if want <= 0 or penalised or not seq.runs_unattended:
+            if want <= 0 or p.has_penalties or not seq.runs_unattended:
                 continue
             if seq.drafter is None:
                 longest = p.max_ngram_size or self.config.max_ngram_size

@@ -227,8 +227,7 @@ class StepInputBuilder:
         prompt: list[bool] = []
         for seq in seqs:
             p = seq.params
-            penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            if penalised and seq.num_output_tokens:
+            if p.has_penalties and seq.num_output_tokens:
                 out = seq.output_ids
                 slots += [seq.slot] * len(out)
                 ids += out
@@ -293,46 +292,39 @@ class StepInputBuilder:
         return commands
 
     def _prefill(self, key: Key, chunks: list[PrefillChunk], prompt_targets: list[PromptTargets | None] | None) -> Payload:
-        p = self.empty(key)
-        p["row_slots"].fill(self.num_slots - 1)  # padding rows read the padding slot
+        p = self._ragged(key, [(c.seq, c.start, c.seq.token_ids[c.start:c.end]) for c in chunks])
         p["prompt_targets"].fill(-1)
-        offset = 0
         for i, chunk in enumerate(chunks):
-            seq, n = chunk.seq, chunk.num_tokens
-            p["tokens"][offset:offset + n] = seq.token_ids[chunk.start:chunk.end]
-            p["positions"][offset:offset + n] = np.arange(chunk.start, chunk.end)
+            offset, n = p["cu_q_lens"][i], chunk.num_tokens
             if prompt_targets and prompt_targets[i] is not None:
                 targets, top_n = prompt_targets[i]
                 p["prompt_targets"][offset:offset + n] = targets
                 p["prompt_top_n"][offset:offset + n] = top_n
-            p["cu_q_lens"][i + 1] = offset + n
-            p["kv_lens"][i] = chunk.end
-            p["row_slots"][i] = seq.slot
             p["sample_rows"][i] = offset + n - 1
-            p["steps"][i] = seq.num_output_tokens
             p["samples"][i] = chunk.samples
-            offset += n
-        p["cu_q_lens"][len(chunks) + 1:] = offset
-        p["num_seqs"] = np.int32(len(chunks))
         return p
 
     def _verify(self, key: Key, seqs: list[Sequence], drafts: dict[Sequence, list[int]]) -> Payload:
         """Each row's last token and its drafts (possibly none), ragged like prefill chunks."""
+        return self._ragged(key, [(seq, seq.num_tokens - 1, [seq.token_ids[-1], *drafts.get(seq, ())]) for seq in seqs])
+
+    def _ragged(self, key: Key, rows: list[tuple[Sequence, int, list[int]]]) -> Payload:
+        """A ragged step's payload (prefill, verify): each row's (sequence, first position,
+        tokens) concatenated, with the cumulative lengths, KV lengths, slots and sampling steps."""
         p = self.empty(key)
-        p["row_slots"].fill(self.num_slots - 1)
+        p["row_slots"].fill(self.num_slots - 1)  # padding rows read the padding slot
         offset = 0
-        for i, seq in enumerate(seqs):
-            row = [seq.token_ids[-1], *drafts.get(seq, ())]
-            n, start = len(row), seq.num_tokens - 1
-            p["tokens"][offset:offset + n] = row
+        for i, (seq, start, tokens) in enumerate(rows):
+            n = len(tokens)
+            p["tokens"][offset:offset + n] = tokens
             p["positions"][offset:offset + n] = np.arange(start, start + n)
             p["cu_q_lens"][i + 1] = offset + n
             p["kv_lens"][i] = start + n
             p["row_slots"][i] = seq.slot
             p["steps"][i] = seq.num_output_tokens
             offset += n
-        p["cu_q_lens"][len(seqs) + 1:] = offset
-        p["num_seqs"] = np.int32(len(seqs))
+        p["cu_q_lens"][len(rows) + 1:] = offset
+        p["num_seqs"] = np.int32(len(rows))
         return p
 
     def _decode(self, key: Key, seqs: list[Sequence], num_steps: int) -> Payload:

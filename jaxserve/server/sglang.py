@@ -14,7 +14,7 @@ from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sampling, sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, merged, new_id, route, token_text
-from jaxserve.server.openai import parse
+from jaxserve.server.openai import draft_counts, parse
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 
@@ -171,8 +171,8 @@ def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: Com
         "prompt_tokens": len(res.prompt_token_ids), "completion_tokens": len(out.token_ids),
         "cached_tokens": res.num_cached_tokens, "e2e_latency": time.monotonic() - stream.start,
     }
-    if res.num_draft_tokens > 0 or state.engine.info.speculative_method is not None:
-        meta |= _speculation(res)
+    if (drafts := draft_counts(state, res.num_draft_tokens, res.num_accepted_draft_tokens)) is not None:
+        meta |= _speculation(*drafts)
     if req.return_logprob:
         meta |= _logprobs(state, req, out.logprobs or [], res.prompt_token_ids, prompt_logprobs)
     item = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
@@ -181,9 +181,8 @@ def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: Com
     return item
 
 
-def _speculation(res: RequestOutput) -> dict[str, Any]:
+def _speculation(drafted: int, accepted: int) -> dict[str, Any]:
     """The request's speculative tokens so far (over its samples): proposed, accepted, and the rate."""
-    drafted, accepted = res.num_draft_tokens, res.num_accepted_draft_tokens
     return {"spec_draft_token_num": drafted, "spec_accept_token_num": accepted,
             "spec_accept_rate": accepted / drafted if drafted else 0.0}
 

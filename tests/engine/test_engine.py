@@ -15,8 +15,6 @@ from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import RequestTooLongError
 from jaxserve.models.reference import greedy_reference
-from jaxserve.weights import load_model
-from smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +29,6 @@ SMALL = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=12),
     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240),
 )
-
-
-@pytest.fixture(scope="module")
-def model(cache_dir):
-    return load_model(smollm2_gguf(), "float32", cache_dir=cache_dir).model
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-from smollm2 import smollm2_gguf
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
 from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.weights import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +36,6 @@ SMALL = EngineConfig(
                               speculative_method="ngram", num_speculative_tokens=4, max_ngram_size=3),
     check_integrity=True,
 )
-
-
-@pytest.fixture(scope="module")
-def model(cache_dir):
-    return load_model(smollm2_gguf(), "float32", cache_dir=cache_dir).model
 
 
 @pytest.fixture(scope="module")
