@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from jaxserve.engine.beam import BeamSearch, max_beam_width
 from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
-from jaxserve.engine.request import SamplingParams, Sequence, _int_range
+from jaxserve.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus, _int_range
 from jaxserve.errors import InvalidRequestError
 from jaxserve.engine.rows import MAX_BANNED_IDS
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -72,6 +73,7 @@ class Engine:
         self.stats = Stats()
         self.compile_seconds: dict[Any, float] = {}  # per compiled command shape (jaxserve.engine.build)
         self._in_flight: _InFlight | None = None
+        self._beam_results: list[RequestOutput] = []  # beam searches that ended, not returned yet
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -90,13 +92,16 @@ class Engine:
         if banned > MAX_BANNED_IDS:
             raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")
         max_total = self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        group = self._beam_search(len(prompt_ids), max_total, params) if params.use_beam_search else None
         base_seed = params.seed if params.seed is not None else secrets.randbits(32)
         seqs, texts = [], []
-        for i in range(params.num_samples):
+        for i in range(1 if group is not None else params.num_samples):
             seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
                            params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
                            seed=(base_seed + i) % 2**32,
-                           matcher=params.grammar.matcher() if params.grammar is not None else None)
+                           matcher=params.grammar.matcher() if params.grammar is not None else None, beam=group)
+            if group is not None:
+                self.scheduler.start_beams(group, seq)
             seqs.append(seq)
             texts.append(SequenceText(seq, self.tokenizer))
         req = Request(request_id, list(prompt_ids), params, seqs, texts, time.monotonic())
@@ -106,6 +111,18 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
         self._publish()
+
+    def _beam_search(self, num_prompt_tokens: int, max_total: int, params: SamplingParams) -> BeamSearch:
+        """A beam request's search state, or InvalidRequestError / RequestTooLongError when its beams
+        cannot run here."""
+        end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        width, widest = params.beam_width, max_beam_width(len(end_ids))
+        if width > widest:
+            raise InvalidRequestError("best_of", f"beam search looks at each beam's best 20 tokens, which allows at "
+                                      f"most {widest} beams with {len(end_ids)} end ids; got {width}")
+        self.scheduler.check_beam_fits(num_prompt_tokens, max_total, width)
+        return BeamSearch(width, params.n, max_total - num_prompt_tokens, end_ids, params.length_penalty,
+                          params.early_stopping, params.min_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its pages and slots are free before the next step."""
@@ -145,7 +162,8 @@ class Engine:
         self._dispatch()
         if not self.overlap:
             accepted += self._complete()
-        outputs = self.post.emit(accepted, self.requests)
+        outputs = self.post.emit(accepted, self.requests) + self._beam_results
+        self._beam_results = []
         self._publish()
         if self.on_idle is not None and not self.has_unfinished():
             self.on_idle()
@@ -172,16 +190,23 @@ class Engine:
         """Take each sampling row's tokens into its sequence, then advance the scheduler."""
         out, accepted = flight.out, []
         decoded: dict[Sequence, int] = {}
+        beams: list[BeamSearch] = []
         if out.prefills:
             prefill = flight.handle.prefill_output()
             if any(t is not None for t in flight.prompt_targets):
                 self._store_prompt_logprobs(out.prefills, flight.prompt_targets, prefill.prompt)
             for row, chunk in enumerate(out.prefills):
-                if chunk.samples:
+                if chunk.samples and chunk.seq.beam is not None:
+                    beams += self._report_beam(chunk.seq, prefill, row)
+                elif chunk.samples:
                     accepted += self._accept(chunk.seq, prefill, row, 1)
         if out.decodes:
             decode = flight.handle.decode_output()
             for row, seq in enumerate(out.decodes):
+                if seq.beam is not None:
+                    beams += self._report_beam(seq, decode, row)
+                    decoded[seq] = 1  # its last token's K/V; its next token is the search's to choose
+                    continue
                 taken = self._accept(seq, decode, row, int(decode.num_sampled[row]))
                 decoded[seq] = sum(a.token is not None for a in taken)
                 accepted += taken
@@ -189,7 +214,53 @@ class Engine:
                 if draft and taken:
                     self._count_drafts(seq, draft, [a.token for a in taken])
         self.scheduler.advance(out, decoded)
+        for group in {id(g): g for g in beams}.values():
+            if all(s.status is SequenceStatus.RUNNING and s in group.reported for s in group.members):
+                self._beam_step(group)
         return accepted
+
+    # ---- beam search ---------------------------------------------------------------------------
+    def _report_beam(self, seq: Sequence, output: Any, row: int) -> list[BeamSearch]:
+        """Keep a beam's best next tokens until all of its request's beams have theirs."""
+        if seq.is_finished:  # aborted while the step ran
+            return []
+        s = output.sample
+        seq.beam.reported[seq] = [(int(i), float(v)) for i, v in zip(s.top_ids[0, row], s.top_logprobs[0, row])]
+        return [seq.beam]
+
+    def _beam_step(self, group: BeamSearch) -> None:
+        """Every beam has reported: choose the continuations, then fork the beams or end the search."""
+        members = group.members
+        continuations = group.step([group.reported[s] for s in members], [s.output_ids for s in members])
+        if not group.done:
+            self.scheduler.fork_beams(group, continuations)
+            return
+        for seq in members:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        req = self.requests.pop(members[0].request_id, None)
+        if req is not None:
+            self._beam_results.append(self._beam_output(req, group))
+
+    def _beam_output(self, req: Request, group: BeamSearch) -> RequestOutput:
+        """The n best hypotheses, whole, as the request's one and final output."""
+        p, outputs = req.params, []
+        for index, hyp in enumerate(group.results()):
+            last = hyp.token_ids[-1]
+            seq = Sequence(request_id=req.request_id, token_ids=[*req.prompt_ids, *hyp.token_ids],
+                           num_prompt_tokens=len(req.prompt_ids), params=p, max_total_tokens=req.seqs[0].max_total_tokens,
+                           status=SequenceStatus.FINISHED, cumulative_logprob=hyp.cumulative_logprob,
+                           finish_reason=FinishReason.STOP if hyp.ended else FinishReason.LENGTH,
+                           stop_reason=last if hyp.ended and last in p.stop_token_ids else None)
+            text = SequenceText(seq, self.tokenizer)
+            for k, token in enumerate(hyp.token_ids):
+                logprob = None if p.logprobs is None else TokenLogprob(token, hyp.logprobs[k], hyp.tops[k][: p.logprobs])
+                # The text of an ending token is never shown (as for any sequence).
+                text.add(token, logprob, check_stops=False, show_text=not (hyp.ended and k == len(hyp.token_ids) - 1))
+            text.finish_text(stopped_by_string=False)
+            outputs.append(text.delta(seq, index, p.logprobs is not None))
+        prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, True, req.seqs[0].num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _count_drafts(self, seq: Sequence, draft: list[int], taken: list[int | None]) -> None:
         """Acceptance: a verify step keeps its drafts up to the first token that differs from them."""

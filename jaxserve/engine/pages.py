@@ -133,6 +133,13 @@ class PageAllocator:
                 self._page_hash.pop(page, None)
                 self._free.append(page)
 
+    def share(self, pages: SequenceABC[int]) -> None:
+        """Take one more reference to pages already held (a beam forked from another shares its pages)."""
+        for page in pages:
+            if self._ref_counts[page] <= 0 or page == NULL_PAGE:
+                raise RuntimeError(f"page {page} is shared but not held")
+            self._ref_counts[page] += 1
+
     # -- prefix cache -------------------------------------------------------------------------------
 
     def peek_prefix(self, token_ids: SequenceABC[int]) -> tuple[list[int], int]:

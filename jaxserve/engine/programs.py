@@ -114,6 +114,10 @@ class StepPrograms:
             "bans": lambda b, p: device_batch.set_bans(b, p["slots"], p["ids"]),
         }
         jitted = {kind: jax.jit(fn, donate_argnums=(0,), **update_shardings) for kind, fn in updates.items()}
+        copy_shardings = {}
+        if self.mesh is not None:
+            copy_shardings = dict(in_shardings=(self.kv_sharding, self.replicated), out_shardings=self.kv_sharding)
+        jitted["copy"] = jax.jit(copy_pages, donate_argnums=(0,), **copy_shardings)
         jitted["prefill"] = jax.jit(self._prefill_fn, donate_argnums=(1, 2), **step_shardings)
         jitted["decode"] = jax.jit(self._decode_fn, donate_argnums=(1, 2), **step_shardings)
         jitted["verify"] = jax.jit(self._verify_fn, donate_argnums=(1, 2), **step_shardings)
@@ -136,6 +140,8 @@ class StepPrograms:
         fn = self.jitted[key[0]]
         if key[0] in STEP_KINDS:
             return fn.trace(self.flat_params(params), kv, batch, payload)
+        if key[0] == "copy":
+            return fn.trace(kv, payload)
         return fn.trace(batch, payload)
 
     def lower(self, key: Key, params: Any, kv: KVCache, batch: DeviceBatch,
@@ -282,6 +288,13 @@ def kept_tokens(token: jax.Array, draft: jax.Array, in_row: jax.Array, ends: jax
     emitted = in_row & (jnp.arange(width)[None, :] <= kept_drafts[:, None])
     ended_before = jnp.cumsum(ends & emitted, axis=1) - (ends & emitted)
     return emitted & (ended_before == 0)
+
+
+def copy_pages(kv: KVCache, inp: Payload) -> KVCache:
+    """Copy whole KV pages src[i] -> dst[i] in every layer (a forked beam's partial last page);
+    padding pairs copy the null page onto itself."""
+    src, dst = inp["src"], inp["dst"]
+    return KVCache(kv.k.at[:, :, dst].set(kv.k[:, :, src]), kv.v.at[:, :, dst].set(kv.v[:, :, src]))
 
 
 def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:

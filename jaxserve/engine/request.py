@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from jaxserve.engine.beam import BeamSearch
     from jaxserve.engine.ngram import NgramDrafter
     from jaxserve.structured.matcher import Grammar, Matcher
 
@@ -58,10 +59,20 @@ class SamplingParams:
     # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.
     num_assistant_tokens: int | None = None
     max_ngram_size: int | None = None
+    # Beam search (jaxserve.engine.beam): best_of (default n) beams, the n best returned. HF's and
+    # vLLM's length_penalty and early_stopping (True, False or "never").
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def num_samples(self) -> int:
         return self.best_of or self.n
+
+    @property
+    def beam_width(self) -> int:
+        """Beams of a beam search (0: not one)."""
+        return (self.best_of or self.n) if self.use_beam_search else 0
 
     @property
     def has_penalties(self) -> bool:
@@ -111,6 +122,34 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _int_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _int_range("prompt_logprobs_start", self.prompt_logprobs_start, 0, 2**31 - 1)
+        if not isinstance(self.use_beam_search, bool):
+            raise InvalidRequestError("use_beam_search", f"must be a boolean, got {self.use_beam_search!r}")
+        _float_range("length_penalty", self.length_penalty, -100.0, 100.0)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise InvalidRequestError("early_stopping", f'must be true, false or "never", got {self.early_stopping!r}')
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+            raise InvalidRequestError(name, "applies to beam search only (use_beam_search, or best_of on /v3)")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search scores beams by the model's own log-probabilities (as HF transformers and
+        OpenVINO GenAI do): what would change a sampled token's odds has no place in it, and is
+        refused rather than ignored."""
+        neutral = {"temperature": self.temperature in (0.0, 1.0), "top_k": self.top_k in (-1, 0),
+                   "top_p": self.top_p == 1.0, "min_p": self.min_p == 0.0,
+                   "frequency_penalty": self.frequency_penalty == 0.0, "presence_penalty": self.presence_penalty == 0.0,
+                   "repetition_penalty": self.repetition_penalty == 1.0, "logit_bias": not self.logit_bias,
+                   "bad_words": not self.bad_words_ids, "stop": not self.stop,
+                   "response_format": self.grammar is None, "processed_logprobs": not self.processed_logprobs}
+        for name, ok in neutral.items():
+            if not ok:
+                why = {"stop": "beam search ends on end ids only; use stop_token_ids",
+                       "response_format": "structured output is not supported with beam search"}.get(
+                    name, "beam search scores beams by the model's own log-probabilities, so this sampling "
+                          "parameter would be ignored (temperature may be 0 or 1)")
+                raise InvalidRequestError(name, why)
 
 
 def _int_range(name: str, value: Any, low: int, high: int) -> None:
@@ -172,6 +211,7 @@ class Sequence:
     num_draft_tokens: int = 0  # speculative tokens proposed for it so far
     num_accepted_draft_tokens: int = 0  # of which verify steps accepted
     slot: int | None = None  # its row of the device batch while running (the scheduler's)
+    beam: "BeamSearch | None" = None  # the beam search it is a beam of (jaxserve.engine.beam)
 
     @property
     def num_tokens(self) -> int:
@@ -202,8 +242,8 @@ class Sequence:
     def runs_unattended(self) -> bool:
         """Whether the device can sample several tokens in a row for it with no host check in
         between: no grammar (its mask changes with every token) and no dynamic bans. Stop
-        strings are checked afterwards."""
-        return self.matcher is None and not self.has_dynamic_bans
+        strings are checked afterwards. Beams wait for the host's choice after every token."""
+        return self.matcher is None and not self.has_dynamic_bans and self.beam is None
 
     def sort_key(self) -> tuple[int, float, int]:
         return (self.priority, self.arrival, self.seq_id)

@@ -122,11 +122,14 @@ def row_params(seq: Seq, eos_ids: Iterable[int]) -> RowParams:
     p = seq.params
     want = p.logprobs if p.logprobs is not None else (0 if p.best_of and p.best_of > p.n else -1)
     end_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    # A beam's row reports its best next tokens for the host's beam search (jaxserve.engine.beam);
+    # the token it samples itself is never used, so it samples greedily (no noise to draw).
+    beam = seq.params.use_beam_search
     return RowParams(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        temperature=0.0 if beam else p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, banned_ids=current_bans(seq),
-        end_ids=sorted(end_ids), min_tokens=p.min_tokens, seed=seq.seed, num_logprobs=want,
+        end_ids=sorted(end_ids), min_tokens=p.min_tokens, seed=seq.seed, num_logprobs=MAX_TOP_LOGPROBS if beam else want,
         processed_logprobs=p.processed_logprobs, constrained=seq.matcher is not None,
     )
 

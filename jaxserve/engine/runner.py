@@ -171,6 +171,9 @@ class ModelRunner:
         if key[0] in STEP_KINDS:
             self.kv, self.batch, out = compiled(self.param_leaves, self.kv, self.batch, payload)
             return out
+        if key[0] == "copy":
+            self.kv = compiled(self.kv, payload)
+            return None
         self.batch = compiled(self.batch, payload)
         return None
 

@@ -27,6 +27,14 @@ Engine contract, once per iteration, all on the engine thread (the scheduler is 
 The engine never sets num_computed_tokens, pages, slots or status itself. `abort(request_id)` may
 be called between iterations; a sequence finished or aborted while its step ran is skipped by
 `advance`.
+
+Beam search (jaxserve.engine.beam): a beam request holds `width` slots from its first admission
+to its end (its running beams' and spares for beams not forked yet), so that its beams never wait
+for one another's rows. Its beams run in lockstep: a beam that has sampled (all its tokens
+computed, none appended) waits, unscheduled, until every beam of its request has, and the engine
+calls `fork_beams` with the continuations the search chose. A forked beam shares its parent's full
+pages (reference counts) and gets a copy of the partial last one (`SchedulerOutput.copies`, run on
+the device before the step). Preempting a beam preempts all of its request's beams.
 """
 
 from __future__ import annotations
@@ -35,9 +43,10 @@ import bisect
 import collections
 import dataclasses
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.engine.beam import BeamSearch, Continuation
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE, NgramDrafter
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator
 from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
@@ -77,6 +86,8 @@ class SchedulerOutput:
     # Speculative decoding: draft tokens of decoding rows (jaxserve.engine.ngram); when any row has
     # some, the decodes run as one verify step (num_steps 1) and pages are reserved for the drafts.
     drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
+    # (source, destination) KV pages to copy before the step: the partial last pages of forked beams.
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -121,6 +132,8 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_num_seqs))  # a heap: lowest slot first
         self._freed: list[int] = []  # slots freed since the last output
         self._cut: list[tuple[int, int]] = []  # page lists cut back since the last output
+        self._added: list[Sequence] = []  # beams forked into new sequences since the last output
+        self._copies: list[tuple[int, int]] = []  # pages forked beams need copied
 
     @property
     def num_running(self) -> int:
@@ -177,7 +190,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} is not a fresh waiting sequence")
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         shares_a_page = seq.num_prompt_tokens - 1 >= self.page_size
-        if seq.sample_index == 0 and seq.params.num_samples > 1 and shares_a_page:
+        if seq.sample_index == 0 and seq.params.num_samples > 1 and shares_a_page and seq.beam is None:
             if self.allocator.enable_prefix_caching:
                 self._leaders[seq.request_id] = seq
 
@@ -191,6 +204,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an older one in this loop
                 continue
             start = seq.num_computed_tokens
+            if seq.beam is not None and start >= seq.num_tokens:
+                continue  # it has sampled: it waits for its request's other beams and the search's choice
             if start >= seq.num_tokens:
                 raise RuntimeError(
                     f"sequence {seq.seq_id} has all {seq.num_tokens} tokens computed and none to sample from: "
@@ -219,6 +234,9 @@ class Scheduler:
             plan.num_steps = self._decode_steps(plan.decodes)
         plan.removed, self._freed = self._freed, []
         plan.cut, self._cut = self._cut, []
+        # Forked beams first: a later admission of the same slot cannot come before its fork.
+        plan.added = [s for s in self._added if s.slot is not None] + plan.added
+        plan.copies, self._added, self._copies = self._copies, [], []
         return plan
 
     def _decode_steps(self, decodes: list[Sequence]) -> int:
@@ -280,14 +298,14 @@ class Scheduler:
         """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS)."""
         i = 0
         while i < len(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
-                return
-            if len(plan.prefills) >= self.config.max_prefill_seqs:
+            if budget <= 0 or len(plan.prefills) >= self.config.max_prefill_seqs:
                 return
             seq = self.waiting[i]
             if self._is_held(seq):  # not a fairness question: it is waiting for its own sample 0
                 i += 1
                 continue
+            if self._slots_needed(seq) > len(self._free_slots):
+                return
             tokens = self._matchable_tokens(seq)
             cached, num_cached = self.allocator.peek_prefix(tokens)
             end = min(seq.num_tokens, num_cached + budget)
@@ -302,7 +320,7 @@ class Scheduler:
             if first_admission:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            seq.slot = heapq.heappop(self._free_slots)
+            seq.slot = self._take_slot(seq)
             self.running.append(seq)
             plan.added.append(seq)
             plan.prefills.append(PrefillChunk(seq, num_cached, end))
@@ -317,6 +335,18 @@ class Scheduler:
             return seq.token_ids[: max(params.prompt_logprobs_start, 1)]
         return seq.token_ids
 
+    def _slots_needed(self, seq: Sequence) -> int:
+        """Free slots admitting `seq` takes: a beam request reserves all of its beams' at once."""
+        if seq.beam is None:
+            return 1
+        return 0 if seq.beam.spare_slots else seq.beam.width
+
+    def _take_slot(self, seq: Sequence) -> int:
+        group = seq.beam
+        if group is not None and not group.spare_slots:
+            group.spare_slots = [heapq.heappop(self._free_slots) for _ in range(group.width)]
+        return group.spare_slots.pop() if group is not None else heapq.heappop(self._free_slots)
+
     def _is_held(self, seq: Sequence) -> bool:
         leader = self._leaders.get(seq.request_id)
         return leader is not None and leader is not seq
@@ -326,19 +356,41 @@ class Scheduler:
         they fit. False if `seq` itself was the newest and got preempted."""
         num_new = self.allocator.pages_for(num_tokens) - len(seq.pages)
         while num_new > 0 and not self.allocator.can_allocate(num_new):
-            victim = max(self.running, key=Sequence.sort_key)
-            self._preempt(victim)
-            plan.preempted.append(victim)
-            if victim is seq:
+            victims = self._preempt(max(self.running, key=Sequence.sort_key))
+            plan.preempted += victims
+            if victims[0].beam is not None:  # its beams planned before it this step run no more
+                plan.decodes = [s for s in plan.decodes if s not in victims]
+                plan.prefills = [c for c in plan.prefills if c.seq not in victims]
+                plan.added = [s for s in plan.added if s not in victims]
+            if seq in victims:
                 return False
         if num_new > 0:
             seq.pages.extend(self.allocator.allocate(num_new))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> list[Sequence]:
         """Free everything and requeue: the output so far stays in token_ids and is recomputed
         (cheaply, if its pages are still in the prefix cache). Keeping its arrival puts it ahead of
-        everything that arrived after it in its priority."""
+        everything that arrived after it in its priority. A beam goes with all of its request's
+        running beams (they run in lockstep), and their reserved slots are freed. Returns the
+        preempted sequences."""
+        group = seq.beam
+        if group is None:
+            self._preempt_one(seq)
+            return [seq]
+        victims = [s for s in group.members if s.status is SequenceStatus.RUNNING]
+        for s in victims:
+            self._preempt_one(s)
+        self._free_spares(group)
+        group.reported.clear()  # recomputed on resumption
+        return victims
+
+    def _free_spares(self, group: BeamSearch) -> None:
+        for slot in group.spare_slots:
+            heapq.heappush(self._free_slots, slot)
+        group.spare_slots = []
+
+    def _preempt_one(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.pages)
         self._release_slot(seq)
@@ -370,6 +422,115 @@ class Scheduler:
                 self._computed(seq)
                 if seq in plan.drafts:
                     self._give_back_pages(seq)
+
+    # -- beam search ---------------------------------------------------------------------------------
+
+    def check_beam_fits(self, num_prompt_tokens: int, max_total_tokens: int, width: int) -> None:
+        """Refuse a beam search that could never run: its beams all run at once, sharing the
+        prompt's full pages and each holding its own pages after them."""
+        if width > self.config.max_num_seqs:
+            raise InvalidRequestError("best_of", f"beam search with {width} beams needs {width} rows, and this "
+                                      f"server runs at most {self.config.max_num_seqs} sequences at once "
+                                      "(--max-num-seqs)")
+        shared = num_prompt_tokens // self.page_size
+        need = shared + width * (self.allocator.pages_for(max_total_tokens) - shared)
+        if need > self.allocator.num_usable_pages:
+            raise RequestTooLongError(
+                "max_tokens", f"{width} beams of up to {max_total_tokens} tokens need {need} KV pages of "
+                f"{self.page_size} tokens, but the cache holds only {self.allocator.num_usable_pages}")
+
+    def start_beams(self, group: BeamSearch, seq: Sequence) -> None:
+        """Make `seq` (queued with `add`) the first beam of `group`."""
+        seq.beam = group
+        group.members = [seq]
+
+    def fork_beams(self, group: BeamSearch, continuations: SequenceABC[Continuation]) -> None:
+        """Make the group's running beams the search's continuations of its last step: each is
+        its parent's sequence followed by its token. A parent's first continuation goes on in
+        the parent's own sequence; the others take over sequences whose beams ended, or new
+        ones in the group's reserved slots, with the parent's full pages shared and its partial
+        last page copied. With no pages for the copies, the group is preempted and recomputed."""
+        parents = group.members
+        if any(s.status is not SequenceStatus.RUNNING or s.num_computed_tokens != s.num_tokens for s in parents):
+            raise RuntimeError("beams fork only when all of them have sampled")
+        first: dict[int, int] = {}
+        for j, c in enumerate(continuations):
+            first.setdefault(c.parent, j)
+        ended = [p for i, p in enumerate(parents) if i not in first]
+        num_tokens = parents[0].num_tokens
+        full, partial = divmod(num_tokens, self.page_size)
+        num_copies = len(continuations) - len(first) if partial else 0
+        if not self.allocator.can_allocate(num_copies):
+            self._preempt(parents[0])
+            self._assign_beams(group, continuations, first, ended, lambda j, parent: [])
+            return
+
+        def pages_of(j: int, parent: Sequence) -> list[int]:
+            if first[continuations[j].parent] == j:
+                return parent.pages
+            self.allocator.share(parent.pages[:full])
+            if not partial:
+                return parent.pages[:full]
+            (copy,) = self.allocator.allocate(1)
+            self._copies.append((parent.pages[full], copy))
+            return [*parent.pages[:full], copy]
+
+        self._assign_beams(group, continuations, first, ended, pages_of)
+
+    def _assign_beams(self, group: BeamSearch, continuations: SequenceABC[Continuation], first: dict[int, int],
+                      ended: list[Sequence], pages_of) -> None:
+        """Build every continuation's tokens and pages from its unchanged parent, then release the
+        ended beams' pages and hand the sequences out."""
+        parents = group.members
+        built = []
+        for j, c in enumerate(continuations):
+            parent = parents[c.parent]
+            built.append(([*parent.token_ids, c.token], pages_of(j, parent)))
+        running = parents[0].status is SequenceStatus.RUNNING
+        for seq in ended:
+            if running:
+                self.allocator.free(seq.pages)
+        members = []
+        for j, c in enumerate(continuations):
+            tokens, pages = built[j]
+            if first[c.parent] == j:
+                seq = parents[c.parent]
+            elif ended:
+                seq = ended.pop()
+                if running:
+                    keep = next((k for k, (a, b) in enumerate(zip(seq.pages, pages)) if a != b),
+                                min(len(seq.pages), len(pages)))
+                    self._cut.append((seq.slot, keep))  # the device's page-table entries from `keep` on are stale
+            else:
+                seq = self._new_beam(group, parents[c.parent], running, max(1, j))
+            seq.token_ids = tokens
+            if running:
+                seq.pages = pages
+                seq.num_computed_tokens = len(tokens) - 1
+            members.append(seq)
+        for seq in ended:  # fewer continuations than beams: only when the search ends
+            if running:
+                self.running.remove(seq)
+                self._release_slot(seq)
+            else:
+                self.waiting.remove(seq)
+            seq.pages, seq.status = [], SequenceStatus.FINISHED
+        group.members = members
+        group.reported.clear()
+
+    def _new_beam(self, group: BeamSearch, parent: Sequence, running: bool, index: int) -> Sequence:
+        # Same arrival and priority: the request's beams stay together in the scheduling order.
+        seq = Sequence(request_id=parent.request_id, token_ids=[], num_prompt_tokens=parent.num_prompt_tokens,
+                       params=parent.params, max_total_tokens=parent.max_total_tokens, priority=parent.priority,
+                       arrival=parent.arrival, sample_index=index, seed=parent.seed, beam=group)
+        if running:
+            seq.status = SequenceStatus.RUNNING
+            seq.slot = group.spare_slots.pop()
+            self.running.append(seq)
+            self._added.append(seq)
+        else:
+            bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        return seq
 
     def _give_back_pages(self, seq: Sequence) -> None:
         """Free the pages reserved for rejected draft tokens (beyond the pages the sequence's
@@ -403,6 +564,8 @@ class Scheduler:
         seq.finish_reason = reason
         if self._leaders.get(seq.request_id) is seq:
             del self._leaders[seq.request_id]
+        if seq.beam is not None and all(s.is_finished for s in seq.beam.members):
+            self._free_spares(seq.beam)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request with FinishReason.ABORT; returns them."""
@@ -420,10 +583,14 @@ class Scheduler:
         problems = []
         held: collections.Counter[int] = collections.Counter()
         slots = [seq.slot for seq in self.running]
+        groups = {id(s.beam): s.beam for s in (*self.running, *self.waiting) if s.beam is not None}
+        slots += [slot for g in groups.values() for slot in g.spare_slots]  # reserved for beams
         if None in slots or len(set(slots)) != len(slots) or set(slots) & set(self._free_slots):
-            problems.append(f"running slots {slots} are not distinct or overlap the free ones {self._free_slots}")
+            problems.append(f"running and reserved slots {slots} are not distinct or overlap the free ones "
+                            f"{self._free_slots}")
         if len(slots) + len(self._free_slots) != self.config.max_num_seqs:
-            problems.append(f"{len(slots)} running + {len(self._free_slots)} free slots != {self.config.max_num_seqs}")
+            problems.append(f"{len(slots)} running or reserved + {len(self._free_slots)} free slots != "
+                            f"{self.config.max_num_seqs}")
         for seq in self.running:
             held.update(seq.pages)
             if seq.status is not SequenceStatus.RUNNING:

@@ -7,6 +7,7 @@ step sends is bounded by its bucket and by what changed (new rows, new pages, gr
 never by max_model_len: page tables, penalty counts and sampling parameters stay on the device.
 
 Commands, in the order they run:
+  ("copy", C)          KV pages to copy (forked beams' partial last pages), in chunks of C pairs
   ("rows", A)          rows given a slot this step (A rows, padded to a power of two)
   ("tokens", C)        token ids their penalties need (a resumed row's output, a prompt for the
                        repetition penalty), in chunks of C
@@ -36,6 +37,7 @@ Key = tuple
 Payload = dict[str, np.ndarray]
 TOKEN_CHUNK = 1024  # token ids per "tokens" command
 PAGE_CHUNK = 1024  # page-table entries per "pages" command
+COPY_CHUNK = 16  # (source, destination) page pairs per "copy" command
 
 # Prompt logprobs a prefill chunk reports: for each of its tokens the next prompt token (or -1),
 # and how many top alternatives.
@@ -119,7 +121,7 @@ class StepInputBuilder:
             steps += [self.verify_key(b) for b in self.buckets.decode_buckets]
         updates = [("rows", a) for a in self.row_sizes] + [("masks", g) for g in self.row_sizes]
         updates += [("bans", g) for g in self.row_sizes]
-        return updates + [("tokens", TOKEN_CHUNK), ("pages", PAGE_CHUNK)] + steps
+        return updates + [("tokens", TOKEN_CHUNK), ("pages", PAGE_CHUNK), ("copy", COPY_CHUNK)] + steps
 
     def abstract(self, key: Key) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """(shape, dtype) of every array of `key`'s payload."""
@@ -132,6 +134,8 @@ class StepInputBuilder:
             return {"slots": ((key[1],), i32), "ids": ((key[1],), i32), "prompt": ((key[1],), np.dtype(bool))}
         if kind == "pages":
             return {"slots": ((key[1],), i32), "index": ((key[1],), i32), "pages": ((key[1],), i32)}
+        if kind == "copy":
+            return {"src": ((key[1],), i32), "dst": ((key[1],), i32)}
         if kind == "masks":
             return {"slots": ((key[1],), i32), "masks": ((key[1], mask_words(self.vocab_size)), np.dtype(np.uint32))}
         if kind == "bans":
@@ -171,7 +175,7 @@ class StepInputBuilder:
               grammar_mask: Callable[[Sequence, np.ndarray], None] | None = None) -> StepCommands:
         """The commands of `out`. prompt_targets[i]: chunk i's prompt logprobs (or None);
         grammar_mask(seq, mask) fills a constrained row's mask for its next token."""
-        commands: list[Command] = []
+        commands: list[Command] = self._copies(out.copies)
         for slot, kept in out.cut:
             self._synced[slot] = min(self._synced[slot], kept)
         for seq in out.added:
@@ -209,6 +213,18 @@ class StepInputBuilder:
             block = items[start:start + largest]
             size = next(a for a in self.row_sizes if a >= len(block))
             yield (kind, size), block
+
+    def _copies(self, pairs: list[tuple[int, int]]) -> list[Command]:
+        """Page copies, first: they read pages the step (or a later one) may write. Padding pairs
+        copy the null page onto itself."""
+        commands = []
+        for start in range(0, len(pairs), COPY_CHUNK):
+            payload = self.empty(("copy", COPY_CHUNK))
+            block = pairs[start:start + COPY_CHUNK]
+            payload["src"][: len(block)] = [a for a, _ in block]
+            payload["dst"][: len(block)] = [b for _, b in block]
+            commands.append(Command(("copy", COPY_CHUNK), payload))
+        return commands
 
     def _rows(self, seqs: list[Sequence]) -> list[Command]:
         commands = []

@@ -26,6 +26,8 @@ from jaxserve.engine.classify_batcher import probabilities
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.classifier import ClassifierConfig
 from jaxserve.models.embedder import EmbedderConfig, PoolingConfig
+from jaxserve.server import accepted_fields
+from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -50,10 +52,11 @@ GENERATION_ROUTES = (
 
 
 # ---- protocol ------------------------------------------------------------------------------------
-class ClassifyRequest(BaseModel):
+class ClassifyRequest(KnownFields):
     """vLLM / SGLang classify request. Token-id inputs (vLLM accepts them) skip the tokenizer."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.CLASSIFY
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     user: str | None = None
@@ -66,10 +69,11 @@ class ClassifyRequest(BaseModel):
     activation: bool = True  # vLLM's: false returns the raw logits instead of the softmax
 
 
-class LegacyClassifyRequest(BaseModel):
+class LegacyClassifyRequest(KnownFields):
     """SGLang's reward-model /classify (its EmbeddingReqInput): text or input_ids, single or batch."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.SGLANG_CLASSIFY
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     rid: str | list[str] | None = None

@@ -18,11 +18,13 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.classify_batcher import finish_embedding
 from jaxserve.models.embedder import EmbedderConfig
+from jaxserve.server import accepted_fields
+from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import new_id, route
 
@@ -30,8 +32,9 @@ if TYPE_CHECKING:
     from jaxserve.server.classify import ClassifyState
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class EmbeddingRequest(KnownFields):
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.EMBEDDINGS
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"

@@ -76,6 +76,11 @@ def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}", None)
+    unknown = next((e for e in errors if e.get("type") == "unknown_field"), None)
+    if unknown is not None:  # accepted_fields.KnownFields: the field under the model's place
+        ctx = unknown.get("ctx") or {}
+        path = ".".join([str(p) for p in unknown.get("loc", ()) if not _TYPE_TAG.match(str(p))] + [ctx["field"]])
+        return ApiError(400, f"{path}: {unknown.get('msg')}", path, code=ctx.get("code"))
     loc = [str(p) for p in first.get("loc", ())]
     param = loc[0] if loc else None
     # A union field reports one error per member, each under the member's type ("prompt", "str");

@@ -44,8 +44,13 @@ async def parse(model: type[M]) -> M:
 
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(req)
-    return sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
-                          bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None)
+    # OVMS (/v3): best_of > 1 is beam search, its width (sampling.py).
+    ovms_beams = request.path.startswith("/v3/") and (req.best_of or 1) > 1
+    params = sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
+                            bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
+                            use_beam_search=bool(req.use_beam_search) or ovms_beams)
+    sampling.refuse_streamed_beams(params, req.stream, "best_of" if ovms_beams else "use_beam_search")
+    return params
 
 
 def guide_spec(req: SamplingFields) -> GuideSpec | None:
@@ -97,9 +102,12 @@ def _structured_outputs(so: Any) -> GuideSpec | None:
 
 def _refuse_unsupported(req: SamplingFields) -> None:
     sampling.refuse_unhonoured(lambda name: getattr(req, name))
-    if req.stream and req.best_of is not None and req.best_of > req.n:
+    if req.stream and req.best_of is not None and req.best_of > req.n and not request.path.startswith("/v3/"):
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise ApiError(400, "stream_options.include_obfuscation: no obfuscation padding is sent; set it to false",
+                       "stream_options.include_obfuscation")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None,

@@ -1,7 +1,9 @@
 """Pydantic models of OpenAI's completions and chat requests, with vLLM's extra sampling fields.
 
-Strict types (no "0.5" for a float); unknown fields are ignored as OpenAI and vLLM do, but fields
-we know and cannot honour yet are refused by the route rather than silently ignored.
+Strict types (no "0.5" for a float). A field no model declares is refused with a 400 naming it,
+unless jaxserve.server.accepted_fields lists it as accepted and ignored (`user`, `store`,
+FastDeploy's `mm_hashes`, ...); declared fields we know and cannot honour yet are refused by the
+route, with the reason.
 """
 
 from __future__ import annotations
@@ -10,16 +12,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.server import accepted_fields
+from jaxserve.server.accepted_fields import KnownFields
+
 MAX_SEED = 922337203685477580  # FastDeploy's `seed` bound
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Strict(KnownFields):
+    model_config = ConfigDict(strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = False  # OpenAI's stream padding: none is sent, so true is refused
 
 
 class SamplingFields(_Strict):
@@ -37,7 +43,7 @@ class SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored (accepted_fields)
     # vLLM extras
     best_of: int | None = None
     top_k: int | None = None
@@ -53,10 +59,10 @@ class SamplingFields(_Strict):
     return_token_ids: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None
-    # Refused by sampling.refuse_unhonoured: beam search is not implemented (use_beam_search: false is fine).
+    # Beam search (vLLM's spelling; on /v3 best_of > 1 alone asks for it, as OVMS does).
     use_beam_search: bool = False
     length_penalty: float | None = None
-    early_stopping: bool | None = None
+    early_stopping: bool | Literal["never"] | None = None
     # OVMS's speculative decoding: prompt lookup (served with --speculative-method ngram) takes
     # num_assistant_tokens and max_ngram_size; assistant_confidence_threshold needs a draft model
     # (refused by sampling.refuse_unhonoured).
@@ -73,6 +79,7 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
+    IGNORED = accepted_fields.OPENAI_COMPLETIONS
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -98,6 +105,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    IGNORED = accepted_fields.OPENAI_CHAT
+    REFUSED = accepted_fields.OPENAI_CHAT_REFUSED
     # FastDeploy also takes the prompt as token ids here (`Union[List[Any], List[int]]`).
     messages: list[ChatMessage] | list[int] = Field(min_length=1)
     max_tokens: int | None = None
@@ -111,6 +120,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    modalities: list[Literal["text"]] | None = None  # OpenAI's output kinds: text is the one made here
     # FastDeploy's cap on a reasoning model's think section: `</think>` is forced after this many
     # tokens (jaxserve.structured.reasoning_cap); needs --reasoning-parser.
     reasoning_max_tokens: int | None = None

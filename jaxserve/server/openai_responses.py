@@ -12,7 +12,7 @@ constraint, which any output it allows also satisfies), `include:
 ["message.output_text.logprobs"]` with `top_logprobs`, `stream`. A generation aborted or cut by
 --request-timeout ends with status "failed" and the reason in `error`. Echoed back and otherwise
 changing nothing here: `metadata`, `user`, `safety_identifier`, `prompt_cache_key` (the prefix
-cache is automatic) and `max_tool_calls`.
+cache is automatic) and `max_tool_calls` (jaxserve.server.accepted_fields.RESPONSES says why).
 
 Nothing is stored. `store` is accepted (OpenAI's default is true; the client omits it) but no
 response is kept, so what needs a stored object is refused with a 400 naming it:
@@ -22,8 +22,9 @@ search, file search, MCP, ...), input items other than messages, function calls 
 (and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
 (the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
 input that does not fit is refused, never cut), a `service_tier` other than "auto"/"default",
-`stream_options.include_obfuscation: true`. Unlike chat completions, unknown fields are refused
-rather than ignored: every field a Responses client sends is either honoured or named in a 400.
+`stream_options.include_obfuscation: true`. Unknown fields are refused rather than ignored, as on
+every route (accepted_fields): every field a Responses client sends is either honoured or named in
+a 400.
 
 Under --reasoning-parser the think block is a `reasoning` output item (its text as `reasoning_text`
 content, no summary) before the message, streamed as `response.reasoning_text.delta` events; its
@@ -47,13 +48,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from quart import Response, jsonify
 
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.server import answers, reasoning, responses_tools, sampling, sse
+from jaxserve.server import accepted_fields, answers, reasoning, responses_tools, sampling, sse
+from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import Flight, ServerState
 from jaxserve.server.openai import chat_logprobs, draft_counts, parse, prediction_details
@@ -66,8 +68,8 @@ LOGPROBS = "message.output_text.logprobs"  # the one `include` value we can fill
 
 
 # ---- request ------------------------------------------------------------------------------------
-class _Forbid(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class _Forbid(KnownFields):
+    model_config = ConfigDict(strict=True)
 
 
 class TextConfig(_Forbid):
@@ -81,6 +83,8 @@ class StreamOptions(_Forbid):
 
 class ResponsesRequest(_Forbid):
     """The body `client.responses.create` sends; a field not declared here is refused (400)."""
+
+    IGNORED = accepted_fields.RESPONSES  # all declared: type-checked and echoed, otherwise unused
 
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None

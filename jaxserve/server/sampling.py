@@ -8,6 +8,11 @@ Range checks are SamplingParams.validate's, in the engine's one place (the specu
 fields' are Engine.add_request's: they depend on how the server was started). Fields a protocol
 carries that this server knows and cannot honour yet are refused by `refuse_unhonoured`, naming
 the field, before a table is read.
+
+Beam search (jaxserve.engine.beam) is asked for with vLLM's `use_beam_search: true` (width best_of,
+default n) on every protocol that carries it, and on OVMS's routes (`/v3/...`) also by best_of > 1
+alone, as OVMS documents ("increase best_of to enable beam search"); `length_penalty` and
+`early_stopping` (true, false or "never") apply to it and are refused without it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server.errors import ApiError, not_supported
+from jaxserve.server.errors import ApiError
 
 NUMBERS = (int, float)
 
@@ -47,16 +52,12 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: A
     return SamplingParams(**kwargs, **computed)
 
 
-# Beam search's knobs, with the values that ask nothing of it (vLLM's defaults, which some clients
-# always send): anything else means nothing without beam search.
-BEAM_FIELDS = {"length_penalty": 1.0, "early_stopping": False}
-UNHONOURED = ("assistant_confidence_threshold", "use_beam_search", *BEAM_FIELDS)  # refuse_unhonoured's
+UNHONOURED = ("assistant_confidence_threshold",)  # refuse_unhonoured's
 
 
 def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
     """400 for a field we know and cannot honour yet: OVMS's assistant_confidence_threshold (a
-    draft model's), and beam search (vLLM's use_beam_search, and its length_penalty and
-    early_stopping unless neutral). `value_of` as build's; `prefix` is where the protocol keeps the fields
+    draft model's). `value_of` as build's; `prefix` is where the protocol keeps the fields
     ("sampling_params." for SGLang), for the name in the error."""
     threshold = value_of("assistant_confidence_threshold")
     if threshold is not None and value_of("num_assistant_tokens") is not None:  # OVMS refuses both too
@@ -66,15 +67,18 @@ def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
         raise ApiError(400, f"{prefix}assistant_confidence_threshold: it needs a draft model (--speculative-model), "
                        "not supported yet; prompt-lookup decoding uses num_assistant_tokens + max_ngram_size",
                        f"{prefix}assistant_confidence_threshold", code="not_supported")
-    beam = value_of("use_beam_search")
-    if beam is not None and not isinstance(beam, bool):
-        raise ApiError(400, f"{prefix}use_beam_search: expected bool, got {beam!r}", f"{prefix}use_beam_search")
-    if beam:
-        raise not_supported(f"{prefix}use_beam_search", "beam search")
-    for name, neutral in BEAM_FIELDS.items():
-        value = value_of(name)
-        if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
-            raise not_supported(f"{prefix}{name}", "beam search")
+
+
+def early_stopping(value: Any) -> bool | str:
+    if not (isinstance(value, bool) or value == "never"):
+        raise ApiError(400, f'early_stopping: must be true, false or "never", got {value!r}', "early_stopping")
+    return value
+
+
+def refuse_streamed_beams(params: SamplingParams, stream: bool | None, name: str = "use_beam_search") -> None:
+    """Beam search knows its beams only when it ends: nothing to stream before."""
+    if stream and params.use_beam_search:
+        raise ApiError(400, f"{name}: beam search returns its beams when the search ends; set stream to false", name)
 
 
 def stop_list(value: str | list[str]) -> list[str]:
@@ -106,6 +110,7 @@ OPENAI = (
     Field("skip_special_tokens", "skip_special_tokens"),
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
+    Field("length_penalty", "length_penalty"), Field("early_stopping", "early_stopping", convert=early_stopping),
 )
 
 # SGLang's /generate sampling_params.
@@ -120,6 +125,8 @@ SGLANG = (
     Field("no_stop_trim", "include_stop_str_in_output"), Field("sampling_seed", "seed"),
     Field("logit_bias", "logit_bias", convert=token_bias("sampling_params.logit_bias")),
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
+    Field("use_beam_search", "use_beam_search"), Field("length_penalty", "length_penalty"),
+    Field("early_stopping", "early_stopping", convert=early_stopping),
 )
 
 # Triton's generate extension `parameters` (the vLLM backend's names, and TensorRT-LLM's).
@@ -136,4 +143,7 @@ TRITON = (
     Field("include_stop_str_in_output", "include_stop_str_in_output", types=(bool,)),
     Field("num_assistant_tokens", "num_assistant_tokens", types=(int,)),
     Field("max_ngram_size", "max_ngram_size", types=(int,)),
+    Field("use_beam_search", "use_beam_search", types=(bool,)),
+    Field("length_penalty", "length_penalty", types=NUMBERS),
+    Field("early_stopping", "early_stopping", convert=early_stopping, types=(bool, str)),
 )

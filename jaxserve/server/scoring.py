@@ -27,6 +27,8 @@ from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.classify_batcher import cosine
 from jaxserve.models.classifier import ClassifierConfig
+from jaxserve.server import accepted_fields
+from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError
 from jaxserve.server.generation import new_id, route
 
@@ -34,8 +36,9 @@ if TYPE_CHECKING:
     from jaxserve.server.classify import ClassifyState
 
 
-class ScoreRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ScoreRequest(KnownFields):
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.SCORE
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
@@ -46,12 +49,14 @@ class ScoreRequest(BaseModel):
 
 
 class RerankDocument(BaseModel):
+    # A document object's other keys are the caller's (Cohere's carry any); only text is ranked.
     model_config = ConfigDict(strict=True, extra="ignore")
     text: str
 
 
-class RerankRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class RerankRequest(KnownFields):
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.SCORE
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]

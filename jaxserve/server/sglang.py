@@ -4,14 +4,15 @@ streaming) and POST /abort_request. Shapes follow SGLang's http_server."""
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from quart import Quart, Response, jsonify
 
 from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server import sampling, sse
+from jaxserve.server import accepted_fields, sampling, sse
+from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, merged, new_id, route, token_text
 from jaxserve.server.openai import draft_counts, parse
@@ -19,9 +20,10 @@ from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 
 
-class SGLangSamplingParams(BaseModel):
+class SGLangSamplingParams(KnownFields):
     # Unknown keys are refused: SGLang itself fails on them, and a typo must not pass silently.
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.SGLANG_SAMPLING
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
@@ -47,16 +49,18 @@ class SGLangSamplingParams(BaseModel):
     # OVMS's prompt-lookup fields (a server started with --speculative-method ngram honours them).
     num_assistant_tokens: int | None = None
     max_ngram_size: int | None = None
-    # Known and refused by sampling.refuse_unhonoured, with a reason rather than "extra field":
-    # a draft model's threshold, and beam search.
-    assistant_confidence_threshold: float | None = None
+    # Beam search, as vLLM spells it (jaxserve.engine.beam).
     use_beam_search: bool = False
     length_penalty: float | None = None
-    early_stopping: bool | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    # Known and refused by sampling.refuse_unhonoured, with a reason rather than "extra field":
+    # a draft model's threshold.
+    assistant_confidence_threshold: float | None = None
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+class GenerateRequest(KnownFields):
+    model_config = ConfigDict(strict=True)
+    IGNORED = accepted_fields.SGLANG_GENERATE
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
@@ -75,8 +79,8 @@ class GenerateRequest(BaseModel):
     priority: int | None = None
 
 
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class AbortRequest(KnownFields):
+    model_config = ConfigDict(strict=True)
     rid: str = ""
     abort_all: bool = False
 
@@ -94,12 +98,14 @@ def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
 
 def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
     sampling.refuse_unhonoured(lambda name: getattr(sp, name), "sampling_params.")
-    return sampling.build(
+    params = sampling.build(
         sampling.SGLANG, lambda name: getattr(sp, name),
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
         prompt_logprobs=(req.top_logprobs_num if wants_input_logprobs(req) else None),
         prompt_logprobs_start=max(req.logprob_start_len, 0),
     )
+    sampling.refuse_streamed_beams(params, req.stream, "sampling_params.use_beam_search")
+    return params
 
 
 def wants_input_logprobs(req: GenerateRequest) -> bool:

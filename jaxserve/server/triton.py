@@ -1,6 +1,7 @@
 """Triton's generate extension: POST /v2/models/{name}[/versions/{v}]/generate and
 generate_stream. Parameters may sit in "parameters" (vLLM backend) or at the top level
-(TensorRT-LLM ensemble); unknown ones are refused."""
+(TensorRT-LLM ensemble). Both are free-form in Triton's spec; here a name that is neither read nor
+listed in accepted_fields.TRITON (accepted and ignored) is refused, naming it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from quart import Quart, Response, jsonify, request
 
 from jaxserve.engine.request import SamplingParams
-from jaxserve.server import sampling, sse
+from jaxserve.server import accepted_fields, sampling, sse
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, bad_words_ids, new_id, route
 from jaxserve.structured import spec as guide
@@ -20,8 +21,8 @@ from jaxserve.structured.spec import GuideSpec
 VERSION = "1"
 
 _GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar"}
-_ACCEPTED = {f.name for f in sampling.TRITON} | _GUIDES | {"stop", "stop_words", "bad_words", "stream",
-                                                             "exclude_input_in_output", "end_id"}
+_ACCEPTED = {f.name for f in sampling.TRITON} | _GUIDES | set(accepted_fields.TRITON) | {
+    "stop", "stop_words", "bad_words", "exclude_input_in_output", "end_id"}
 # Known and not accepted: refused with their reason (sampling.refuse_unhonoured), not as unknown.
 _KNOWN = _ACCEPTED | set(sampling.UNHONOURED)
 _TOP_LEVEL = {"id", "text_input", "parameters"}
@@ -66,6 +67,15 @@ def _request_params(body: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _check_end_id(state: ServerState, end_id: Any) -> None:
+    """TensorRT-LLM's end token: its examples send the model's own EOS id, which ends generation
+    here anyway; another id would change where the output ends, so it is refused."""
+    eos_ids = state.engine.info.eos_ids
+    if end_id is not None and (isinstance(end_id, bool) or end_id not in eos_ids):
+        raise ApiError(400, f"end_id: only the model's end-of-sequence id(s) {list(eos_ids)} can end generation "
+                       f"here, got {end_id!r}; use stop_words for other ends", "end_id")
+
+
 def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
     sampling.refuse_unhonoured(params.get)
     stop = _words(params.get("stop"), "stop") + _words(params.get("stop_words"), "stop_words")
@@ -98,6 +108,7 @@ async def _parse(state: ServerState, name: str, version: str | None) -> tuple[di
     for flag in ("stream", "exclude_input_in_output"):
         if flag in params and not isinstance(params[flag], bool):
             raise ApiError(400, f"{flag}: expected a boolean", flag)
+    _check_end_id(state, params.get("end_id"))
     sampling = _sampling(state, params)
     await attach_grammar(state, sampling, guide_spec(params))
     return body, sampling, params
@@ -124,6 +135,7 @@ async def generate(state: ServerState, name: str, version: str | None = None) ->
 async def generate_stream(state: ServerState, name: str, version: str | None = None) -> Response:
     """Triton generate extension, one SSE event per increment (no [DONE])."""
     body, params, raw = await _parse(state, name, version)
+    sampling.refuse_streamed_beams(params, True)
     prompt = body["text_input"]
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
 

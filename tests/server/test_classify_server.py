@@ -158,6 +158,7 @@ ERRORS = [
     ({"input": {"text": "w5"}}, 400, 'got {"text": "w5"}'),
     ({"input": "w5", "priority": "high"}, 400, "priority"),
     ({"input": "w5", "model": 7}, 400, "model"),
+    ({"input": "w5", "activaton": False}, 400, "activaton: unknown parameter"),
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "body"),
     ({"input": "w5", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),

@@ -122,6 +122,8 @@ def test_score_and_rerank_are_cosine_similarities(embedder):
     ("/v1/embeddings", {"input": " ".join(["w5"] * 40)}, "maximum context length of 32"),
     ("/v1/embeddings", {"input": "w5", "encoding_format": "binary"}, "encoding_format"),
     ("/v1/embeddings", {"input": "w5", "model": "other"}, "other"),
+    ("/v1/embeddings", {"input": "w5", "dimension": 16}, "dimension: unknown parameter"),
+    ("/v1/rerank", {"query": "w5", "documents": ["w6"], "topn": 1}, "topn: unknown parameter"),
     ("/v1/score", {"text_1": ["w5", "w6"], "text_2": ["w5", "w6", "w7"]}, "2 and 3 texts"),
     ("/v1/rerank", {"query": "w5", "documents": []}, "documents: must not be empty"),
     ("/v1/rerank", {"query": "w5", "documents": ["w6"], "top_n": -1}, "top_n"),

@@ -51,7 +51,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "num_assistant_tokens": 3}, 400, "num_assistant_tokens",
      "--speculative-method ngram"),
     ("/v1/completions", {"prompt": "Hi", "max_ngram_size": 2}, 400, "max_ngram_size", "--speculative-method ngram"),
-    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, 400, "use_beam_search", "beam search"),
+    # Beam search scores by the model's own log-probabilities: sampling knobs are refused, not ignored.
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "best_of": 2, "temperature": 0.7}, 400,
+     "temperature", "log-probabilities"),
+    ("/v1/completions", {"prompt": "Hi", "length_penalty": 1.5}, 400, "length_penalty", "beam search"),
+    ("/v3/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, 400, "best_of", "stream"),
 ]
 
 

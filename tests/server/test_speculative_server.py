@@ -154,11 +154,6 @@ REFUSED = [
     ({"assistant_confidence_threshold": 0.4}, "assistant_confidence_threshold", "draft model (--speculative-model)"),
     ({"num_assistant_tokens": 3, "assistant_confidence_threshold": 0.4}, "assistant_confidence_threshold",
      "mutually exclusive"),
-    ({"use_beam_search": True}, "use_beam_search", "beam search is not supported yet"),
-    ({"length_penalty": 1.2}, "length_penalty", "beam search is not supported yet"),
-    ({"early_stopping": True}, "early_stopping", "beam search is not supported yet"),
-    ({"length_penalty": 1.0, "early_stopping": True, "use_beam_search": False}, "early_stopping",
-     "beam search is not supported yet"),
 ]
 
 

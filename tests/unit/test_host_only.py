@@ -13,6 +13,7 @@ HOST_MODULES = [
     "jaxserve.engine.postprocess", "jaxserve.engine.rows", "jaxserve.engine.info", "jaxserve.engine.pages",
     "jaxserve.engine.buckets", "jaxserve.engine.request", "jaxserve.engine.output", "jaxserve.engine.async_engine",
     "jaxserve.engine.ngram",
+    "jaxserve.engine.beam",
     "jaxserve.engine.classify_batcher", "jaxserve.errors",
 ]
 BLOCK = "import sys; sys.modules['jax'] = None; sys.modules['jaxlib'] = None; sys.modules['flax'] = None\n"
