@@ -196,13 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "at a time. Rows end inside the loop on EOS, stop token ids and max tokens; stop strings are "
                    "checked afterwards and the tokens after a match dropped. Default: 8 on GPUs and TPUs, 1 on "
                    "the CPU")
-    e.add_argument("--speculative-method", choices=("ngram",), default=None,
+    e.add_argument("--speculative-method", choices=("ngram", "draft"), default=None,
                    help="speculative decoding: ngram (prompt lookup) drafts the next tokens by finding the "
                    "sequence's last few tokens earlier in its prompt or output and proposing what followed them "
                    "there; one verify step then scores every draft token at once and keeps those the model agrees "
                    "with (greedy outputs are unchanged; sampled ones keep their distribution). Pays off when "
                    "outputs copy their input (editing, extraction, code); rows with a grammar or penalties decode "
                    "as usual. Requests may set num_assistant_tokens (0: off) and max_ngram_size. Default: off")
+    e.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="speculative decoding with a draft model: a smaller model with the same vocabulary (an "
+                   "HF directory or a .gguf; e.g. a small model of the same family, or this model at lower "
+                   "precision) drafts K tokens with its own decode loop, then one verify step of this model keeps "
+                   "those it agrees with; outputs are exactly this model's (greedy and seeded). Its KV cache "
+                   "shares the page ids and is sized beside this model's. Requests may set num_assistant_tokens "
+                   "or assistant_confidence_threshold (stop drafting below that draft probability). Implies "
+                   "--speculative-method draft and one decode iteration per step")
     e.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="with --speculative-method: most draft tokens a verify step checks per sequence (the "
                    "verify steps are compiled for K + 1 tokens a row); requests may ask fewer with "
@@ -363,6 +371,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.decode_steps is not None and args.decode_steps < 1:
         raise ConfigError(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    if args.speculative_model is not None and args.speculative_method not in (None, "draft"):
+        raise ConfigError("--speculative-model drafts with a model: it does not go with --speculative-method "
+                          f"{args.speculative_method}")
+    if args.speculative_method == "draft" and args.speculative_model is None:
+        raise ConfigError("--speculative-method draft needs --speculative-model PATH")
     if args.num_speculative_tokens < 1:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 1 <= args.max_ngram_size <= MAX_NGRAM_SIZE:
@@ -396,6 +409,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             cache_dir=cache_dir,
             task=args.task,
             load_format=args.load_format,
+            speculative_model=args.speculative_model,
             hf_overrides=args.hf_overrides,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
@@ -412,7 +426,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_seqs=args.max_prefill_seqs,
             max_model_len=0,  # filled in once the model's own limit is known (startup)
-            speculative_method=args.speculative_method,
+            speculative_method="draft" if args.speculative_model else args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,
             max_ngram_size=args.max_ngram_size,
         ),

@@ -34,6 +34,7 @@ class ModelConfig:
     hf_overrides: dict[str, Any] | None = None  # keys replacing the checkpoint's config.json (--hf-overrides)
     quantization: str = "auto"  # auto | none | int8 | int4 (jaxserve.models.products; auto: a GGUF's own blocks)
     quantization_group_size: int = 32  # int4's rows per group (32 | 64 | 128)
+    speculative_model: str | None = None  # a draft model (HF directory or .gguf) sharing the tokenizer
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -59,8 +60,9 @@ class SchedulerConfig:
     # Decode iterations one device step may run when the batch has nothing else to do (no
     # arrivals, no grammar rows): the host round trip is paid once per that many tokens.
     decode_steps: int = 1
-    # Speculative decoding: "ngram" (prompt lookup, jaxserve.engine.ngram) or None; the most draft
-    # tokens a verify step checks per row, and the longest n-gram looked up.
+    # Speculative decoding: "ngram" (prompt lookup, jaxserve.engine.ngram), "draft" (a draft model,
+    # jaxserve.engine.drafting) or None; the most draft tokens a verify step checks per row, and
+    # the longest n-gram looked up.
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     max_ngram_size: int = 3

@@ -128,10 +128,12 @@ class LLM:
         config.json, as --hf-overrides. quantization: "int8" or "int4" (in groups of
         quantization_group_size rows) quantizes a generation model's weights, "none" dequantizes a
         GGUF, "auto" keeps the checkpoint's precision, "gguf" a GGUF's blocks strictly, as
-        --quantization. speculative_config: vLLM's dict for prompt-lookup decoding,
+        --quantization. speculative_config: vLLM's dict, for prompt-lookup decoding
         {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}, as
         --speculative-method ngram --num-speculative-tokens 5 --max-ngram-size 3 (and
-        "prompt_lookup_min": the shortest match drafted from, 1 by default)."""
+        "prompt_lookup_min": the shortest match drafted from, 1 by default), or for a draft model
+        {"model": PATH, "num_speculative_tokens": 5} ("method": "draft_model" optional), as
+        --speculative-model PATH."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -144,7 +146,8 @@ class LLM:
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
                               cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,
                               quantization=quantization, quantization_group_size=quantization_group_size,
-                              prompt_special_tokens=prompt_special_tokens),
+                              prompt_special_tokens=prompt_special_tokens,
+                              speculative_model=(speculative_config or {}).get("model")),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
@@ -334,15 +337,24 @@ def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
 
 
 def _speculative(config: dict[str, Any] | None) -> dict[str, Any]:
-    """SchedulerConfig fields of a vLLM-style speculative_config (prompt lookup only)."""
+    """SchedulerConfig fields of a vLLM-style speculative_config (prompt lookup, or a draft model)."""
     if config is None:
         return {}
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+    if config.get("model") is not None:
+        if config.get("method", "draft_model") not in ("draft_model", "draft") or "prompt_lookup_max" in config:
+            raise ValueError("speculative_config: a 'model' drafts (method 'draft_model'); prompt_lookup_* and "
+                             f"method {config.get('method')!r} do not go with it")
+        k = config.get("num_speculative_tokens", 5)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        return {"speculative_method": "draft", "num_speculative_tokens": k}
     if config.get("method") != "ngram":
-        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {config.get('method')!r}")
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup) or a 'model' given, got "
+                         f"{config.get('method')!r}")
     for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         value = config.get(key, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

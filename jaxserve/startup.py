@@ -156,7 +156,14 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                     "not time (only the native CPU kernel reads 4-bit weights fast so far)", quantization)
     log.info("products: %s%s", products.describe_backend(matmul_backend), products.describe_quantization(quantization, group))
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
-    if scheduler.speculative_method is not None:
+    draft = None
+    if config.model.speculative_model is not None:
+        draft_config = dataclasses.replace(config.model, model=config.model.speculative_model, max_model_len=None,
+                                           speculative_model=None)
+        draft = load(draft_config, tp, skip_tokenizer_init=True).loaded.model
+        log.info("speculative decoding: draft model %s, up to %d draft tokens per verify step",
+                 config.model.speculative_model, scheduler.num_speculative_tokens)
+    elif scheduler.speculative_method is not None:
         log.info("speculative decoding: %s (prompt lookup), up to %d draft tokens per verify step, n-grams of up "
                  "to %d tokens", scheduler.speculative_method, scheduler.num_speculative_tokens,
                  scheduler.max_ngram_size)
@@ -165,7 +172,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                                  quantization=quantization, quantization_group=group)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
-                          eos_ids=ready.generation_eos_ids, blocks=blocks)
+                          eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft)
     loaded = time.perf_counter()
     compile_engine(engine)
     done = time.perf_counter()

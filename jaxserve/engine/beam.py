@@ -31,6 +31,8 @@ import math
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
+import numpy as np
+
 # The sampler reports at most this many alternatives per row (jaxserve.engine.request.MAX_TOP_LOGPROBS);
 # every candidate a step looks at must be among them.
 CANDIDATES_PER_BEAM = 20
@@ -116,9 +118,10 @@ class BeamSearch:
         if len(tops) != len(self.paths):
             raise ValueError(f"{len(tops)} beams reported, {len(self.paths)} are running")
         banned = self.end_ids if self.num_generated < self.min_tokens else frozenset()
+        # Scores add in float32, as HF's do: float64 sums could order near-ties differently.
         candidates = sorted(
-            ((path.score + lp, i, token, lp) for i, (path, top) in enumerate(zip(self.paths, tops))
-             for token, lp in top if token not in banned),
+            ((float(np.float32(path.score) + np.float32(lp)), i, token, lp)
+             for i, (path, top) in enumerate(zip(self.paths, tops)) for token, lp in top if token not in banned),
             key=lambda c: -c[0])[: self.beams_to_keep]
         at_limit = self.num_generated + 1 >= self.max_new_tokens
         length = self.num_generated + 1
@@ -133,7 +136,8 @@ class BeamSearch:
                 # beams that do not end are always found.
                 if rank < self.width and self.improvable and not full and score > -math.inf:
                     self._keep(Hypothesis([*outputs[i], token], [*parent.logprobs, lp], [*parent.tops, tops[i]],
-                                          score / length ** self.length_penalty, token in self.end_ids))
+                                          float(np.float32(score) / np.float32(length ** self.length_penalty)),
+                                          token in self.end_ids))
             elif len(new_paths) < self.width:
                 new_paths.append(Path([*parent.logprobs, lp], [*parent.tops, tops[i]], score))
                 continuations.append(Continuation(i, token, lp))

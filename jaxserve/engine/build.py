@@ -19,6 +19,7 @@ from flax import nnx
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.core import Engine
+from jaxserve.engine.drafting import DraftingRunner
 from jaxserve.engine.info import EngineInfo
 from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
 from jaxserve.engine.pages import PageAllocator
@@ -60,15 +61,18 @@ def enable_compilation_cache(directory: Path) -> None:
 
 def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
                  compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = (),
-                 blocks: Callable[[tuple], Any] | None = None) -> Engine:
+                 blocks: Callable[[tuple], Any] | None = None, draft: Decoder | None = None) -> Engine:
     """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
     call `compile_engine`). take_weights: the engine may free `decoder`'s weight buffers where it
     keeps them in another layout (the CPU kernel's), so start-up never holds two copies of the
     model; `decoder` is unusable afterwards (the engine's own weights are runner.params).
     tokenizer None: token ids in and out, no text (LLM(skip_tokenizer_init=True)). Sequences end
     at config.json's EOS ids, the tokenizer's, and `eos_ids` (generation_config.json's). blocks:
-    the checkpoint's stored blocks for quantization "gguf" (jaxserve.weights.loader.stored_blocks)."""
+    the checkpoint's stored blocks for quantization "gguf" (jaxserve.weights.loader.stored_blocks).
+    draft: the draft model of speculative decoding (config.scheduler.speculative_method "draft";
+    jaxserve.engine.drafting)."""
     cfg = decoder.cfg
+    config = _drafting_config(decoder, config, draft)
     sched = config.scheduler
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
@@ -79,8 +83,14 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     reserve = 0
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
         reserve = step_scratch_bytes(decoder, config, blocks)
-    num_pages = _num_pages(decoder, config, reserve)
-    runner = _runner(decoder, config, num_pages, take_weights, blocks)
+    num_pages = _num_pages(decoder, config, reserve, draft)
+    runner: Any = _runner(decoder, config, num_pages, take_weights, blocks)
+    if draft is not None:
+        # The draft's decode steps are its drafting loops: as many iterations as drafts.
+        # A GGUF's kept blocks are the target's own: the draft runs dense (or int8/int4 as asked).
+        loop = dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=sched.num_speculative_tokens),
+                                   quantization=config.quantization if config.quantization in ("int8", "int4") else "none")
+        runner = DraftingRunner(runner, _runner(draft, loop, num_pages, take_weights))
     if jax.process_count() > 1:
         # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
         runner.channel = StepChannel(builder.keys(), builder.abstract)
@@ -91,7 +101,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       num_pages=num_pages, decode_steps=sched.decode_steps,
                       speculative_method=sched.speculative_method,
                       num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
-                      max_ngram_size=sched.max_ngram_size if sched.speculative_method else 0)
+                      max_ngram_size=sched.max_ngram_size if sched.speculative_method == "ngram" else 0)
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     if config.check_integrity:
@@ -99,6 +109,24 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     if compile:
         compile_engine(engine)
     return engine
+
+
+def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | None) -> EngineConfig:
+    """`config` checked against the draft model (or its absence), with one decode iteration per
+    step when drafting: a verify step (or one token) at a time, so the draft's cache follows."""
+    sched = config.scheduler
+    if (draft is not None) != (sched.speculative_method == "draft"):
+        raise ValueError("a draft model goes with speculative_method 'draft', and that method needs one")
+    if draft is None:
+        return config
+    if draft.cfg.vocab_size != decoder.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the model's "
+                         f"({decoder.cfg.vocab_size}): a draft model must share the tokenizer")
+    if jax.process_count() > 1:
+        raise ValueError("speculative decoding with a draft model runs on one host only")
+    if sched.decode_steps > 1:
+        log.info("speculative decoding with a draft model: one decode iteration per step (not %d)", sched.decode_steps)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
 
 
 def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> StepInputBuilder:
@@ -109,7 +137,8 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),
         max_prefill_seqs=sched.max_prefill_seqs, decode_steps=sched.decode_steps,
         row_params=lambda seq: row_params(seq, eos_ids),
-        num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0)
+        num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
+        draft_model=sched.speculative_method == "draft")
 
 
 def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights: bool = False,
@@ -132,9 +161,10 @@ def compile_engine(engine: Engine) -> float:
     return time.perf_counter() - start
 
 
-def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int) -> int:
+def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int, draft: Decoder | None = None) -> int:
     """--num-pages, or what the memory left after the weights, the device batch and the step's
-    scratch (`reserve_bytes`) holds; every process of a multi-host job takes the smallest answer."""
+    scratch (`reserve_bytes`) holds; every process of a multi-host job takes the smallest answer.
+    A draft model's cache has as many pages, so each page costs both models' bytes."""
     cfg = decoder.cfg
     mesh = mesh_of(nnx.state(decoder))
     kv_shards = ShardingPlan(mesh, cfg).kv_shards if mesh is not None else 1
@@ -142,6 +172,9 @@ def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int) -> in
     num_pages = smallest_over_processes(num_pages_for(config.cache, cfg, decoder.dtype, device, kv_shards,
                                                       reserve_bytes))
     page_size = config.cache.page_size
+    if draft is not None and config.cache.num_pages is None:
+        own = bytes_per_page(cfg, page_size, decoder.dtype)
+        num_pages = max(2, num_pages * own // (own + bytes_per_page(draft.cfg, page_size, draft.dtype)))
     log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
              num_pages * bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards / 2**20,
              f" per device, split {kv_shards} ways" if kv_shards > 1 else "")

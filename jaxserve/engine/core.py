@@ -22,7 +22,7 @@ from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
-from jaxserve.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus, _int_range
+from jaxserve.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus, _float_range, _int_range
 from jaxserve.errors import InvalidRequestError
 from jaxserve.engine.rows import MAX_BANNED_IDS
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -117,10 +117,11 @@ class Engine:
         cannot run here."""
         end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         width, widest = params.beam_width, max_beam_width(len(end_ids))
+        name = "best_of" if params.best_of is not None else "n"  # the field that set the width
         if width > widest:
-            raise InvalidRequestError("best_of", f"beam search looks at each beam's best 20 tokens, which allows at "
+            raise InvalidRequestError(name, f"beam search looks at each beam's best 20 tokens, which allows at "
                                       f"most {widest} beams with {len(end_ids)} end ids; got {width}")
-        self.scheduler.check_beam_fits(num_prompt_tokens, max_total, width)
+        self.scheduler.check_beam_fits(num_prompt_tokens, max_total, width, name)
         return BeamSearch(width, params.n, max_total - num_prompt_tokens, end_ids, params.length_penalty,
                           params.early_stopping, params.min_tokens)
 
@@ -336,14 +337,26 @@ def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
 
 
 def check_speculation(params: SamplingParams, info: EngineInfo) -> None:
-    """Per-request speculative-decoding parameters: only on a server that speculates, within what
-    its verify steps were compiled for."""
+    """Per-request speculative-decoding parameters: only on a server that speculates (and that
+    speculates the way they apply to), within what its verify steps were compiled for."""
+    threshold = params.assistant_confidence_threshold
+    if threshold is not None and params.num_assistant_tokens is not None:  # OVMS's rule
+        raise InvalidRequestError("assistant_confidence_threshold", "num_assistant_tokens and "
+                                  "assistant_confidence_threshold are mutually exclusive: give one at most")
     off = {"num_assistant_tokens": params.num_assistant_tokens not in (None, 0),  # 0 (off) is honoured anywhere
-           "max_ngram_size": params.max_ngram_size is not None}
+           "max_ngram_size": params.max_ngram_size is not None, "assistant_confidence_threshold": threshold is not None}
     for name, asked in off.items():
         if asked and info.speculative_method is None:
             raise InvalidRequestError(name, "speculative decoding is off on this server; start it with "
-                                      "--speculative-method ngram to use prompt-lookup decoding")
+                                      "--speculative-method ngram (prompt lookup) or --speculative-model (a draft model)")
+    if params.max_ngram_size is not None and info.speculative_method != "ngram":
+        raise InvalidRequestError("max_ngram_size", "applies to prompt-lookup decoding, and this server drafts "
+                                  "with a draft model")
+    if threshold is not None:
+        if info.speculative_method != "draft":
+            raise InvalidRequestError("assistant_confidence_threshold", "it needs a draft model "
+                                      "(--speculative-model); prompt lookup uses num_assistant_tokens")
+        _float_range("assistant_confidence_threshold", threshold, 0.0, 1.0)
     if params.num_assistant_tokens is not None:
         _int_range("num_assistant_tokens", params.num_assistant_tokens, 0, info.num_speculative_tokens or 0)
     if params.max_ngram_size is not None:

@@ -21,7 +21,7 @@ class EngineInfo:
     page_size: int
     num_pages: int
     decode_steps: int  # most decode iterations one device step runs
-    # Speculative decoding (jaxserve.engine.ngram): "ngram" (prompt lookup) or None (off); the
+    # Speculative decoding: "ngram" (prompt lookup), "draft" (a draft model) or None (off); the
     # draft tokens a verify step checks per row (per-request num_assistant_tokens may ask fewer),
     # and the longest n-gram matched by default (per-request max_ngram_size).
     speculative_method: str | None = None

@@ -59,6 +59,9 @@ class SamplingParams:
     # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.
     num_assistant_tokens: int | None = None
     max_ngram_size: int | None = None
+    # With a draft model: stop a row's drafts at the first whose probability under the draft model
+    # is below this (OVMS's; exclusive with num_assistant_tokens).
+    assistant_confidence_threshold: float | None = None
     # Beam search (jaxserve.engine.beam): best_of (default n) beams, the n best returned. HF's and
     # vLLM's length_penalty and early_stopping (True, False or "never").
     use_beam_search: bool = False
@@ -142,11 +145,15 @@ class SamplingParams:
                    "frequency_penalty": self.frequency_penalty == 0.0, "presence_penalty": self.presence_penalty == 0.0,
                    "repetition_penalty": self.repetition_penalty == 1.0, "logit_bias": not self.logit_bias,
                    "bad_words": not self.bad_words_ids, "stop": not self.stop,
-                   "response_format": self.grammar is None, "processed_logprobs": not self.processed_logprobs}
+                   "response_format": self.grammar is None, "processed_logprobs": not self.processed_logprobs,
+                   "num_assistant_tokens": self.num_assistant_tokens in (None, 0),
+                   "assistant_confidence_threshold": self.assistant_confidence_threshold is None}
         for name, ok in neutral.items():
             if not ok:
                 why = {"stop": "beam search ends on end ids only; use stop_token_ids",
-                       "response_format": "structured output is not supported with beam search"}.get(
+                       "response_format": "structured output is not supported with beam search",
+                       "num_assistant_tokens": "beams are not drafted for (speculative decoding is off for them)",
+                       "assistant_confidence_threshold": "beams are not drafted for"}.get(
                     name, "beam search scores beams by the model's own log-probabilities, so this sampling "
                           "parameter would be ignored (temperature may be 0 or 1)")
                 raise InvalidRequestError(name, why)

@@ -112,8 +112,8 @@ class Scheduler:
             raise ValueError(f"page_size {page_size} != the allocator's {allocator.page_size}")
         if config.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {config.decode_steps}")
-        if config.speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method must be 'ngram' or None, got {config.speculative_method!r}")
+        if config.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be 'ngram', 'draft' or None, got {config.speculative_method!r}")
         if config.speculative_method is not None and (
                 config.num_speculative_tokens < 1 or not 1 <= config.max_ngram_size <= MAX_NGRAM_SIZE
                 or config.min_ngram_size < 1):
@@ -244,14 +244,19 @@ class Scheduler:
         every row can run them unattended (no grammar, no bans that depend on its last tokens) and
         its pages for all of them can be reserved now without preempting anyone. A row that ends
         (EOS, stop id, length) stops inside the loop; the rest of its reservation is freed with it."""
-        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens for s in decodes))
-        if steps <= 1 or not all(s.runs_unattended for s in decodes):
+        # Beams take one token a step (the host chooses their next), inside the loop too: the
+        # builder ends their rows after one iteration.
+        loopers = [s for s in decodes if s.beam is None]
+        if not loopers or not all(s.runs_unattended for s in loopers):
+            return 1
+        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens for s in loopers))
+        if steps <= 1:
             return 1
         # Under a nearly full cache the pages for all `steps` may not be free while those for fewer
         # are: the most iterations whose pages fit, rather than one at once.
         for k in range(steps, 1, -1):
             want = {s: self.allocator.pages_for(min(s.num_tokens + k - 1, s.max_total_tokens)) - len(s.pages)
-                    for s in decodes}
+                    for s in loopers}
             if self.allocator.can_allocate(sum(want.values())):
                 for seq, num_new in want.items():
                     if num_new > 0:
@@ -275,11 +280,15 @@ class Scheduler:
             want = min(want, seq.max_total_tokens - seq.num_tokens - 1)
             if want <= 0 or p.has_penalties or not seq.runs_unattended:
                 continue
-            if seq.drafter is None:
-                longest = p.max_ngram_size or self.config.max_ngram_size
-                seq.drafter = NgramDrafter(longest, min(self.config.min_ngram_size, longest))
-            seq.drafter.sync(seq.token_ids)
-            draft = seq.drafter.propose(want)
+            if self.config.speculative_method == "draft":
+                # Placeholders: the draft model writes its tokens on the device, after this plan.
+                draft = [-1] * want
+            else:
+                if seq.drafter is None:
+                    longest = p.max_ngram_size or self.config.max_ngram_size
+                    seq.drafter = NgramDrafter(longest, min(self.config.min_ngram_size, longest))
+                seq.drafter.sync(seq.token_ids)
+                draft = seq.drafter.propose(want)
             if not draft:
                 continue
             # Positions up to num_tokens - 1 + len(draft) are written.
@@ -348,6 +357,11 @@ class Scheduler:
         return group.spare_slots.pop() if group is not None else heapq.heappop(self._free_slots)
 
     def _is_held(self, seq: Sequence) -> bool:
+        if seq.beam is not None:
+            # A resumed beam waits while another of its request's beams recomputes, then finds
+            # their common prefix in the prefix cache instead of computing (and holding) its own.
+            return any(s.status is SequenceStatus.RUNNING and s.num_computed_tokens < s.num_tokens
+                       for s in seq.beam.members)
         leader = self._leaders.get(seq.request_id)
         return leader is not None and leader is not seq
 
@@ -425,14 +439,15 @@ class Scheduler:
 
     # -- beam search ---------------------------------------------------------------------------------
 
-    def check_beam_fits(self, num_prompt_tokens: int, max_total_tokens: int, width: int) -> None:
+    def check_beam_fits(self, num_prompt_tokens: int, max_total_tokens: int, width: int, name: str = "best_of") -> None:
         """Refuse a beam search that could never run: its beams all run at once, sharing the
         prompt's full pages and each holding its own pages after them."""
         if width > self.config.max_num_seqs:
-            raise InvalidRequestError("best_of", f"beam search with {width} beams needs {width} rows, and this "
+            raise InvalidRequestError(name, f"beam search with {width} beams needs {width} rows, and this "
                                       f"server runs at most {self.config.max_num_seqs} sequences at once "
                                       "(--max-num-seqs)")
-        shared = num_prompt_tokens // self.page_size
+        # Resumed after a preemption, beams share the prompt through the prefix cache only.
+        shared = num_prompt_tokens // self.page_size if self.allocator.enable_prefix_caching else 0
         need = shared + width * (self.allocator.pages_for(max_total_tokens) - shared)
         if need > self.allocator.num_usable_pages:
             raise RequestTooLongError(
@@ -460,10 +475,16 @@ class Scheduler:
         num_tokens = parents[0].num_tokens
         full, partial = divmod(num_tokens, self.page_size)
         num_copies = len(continuations) - len(first) if partial else 0
-        if not self.allocator.can_allocate(num_copies):
+        # The ended beams' pages are released first (none is a copy's source: those are parents'),
+        # so the copies may take them.
+        held = collections.Counter(p for seq in ended for p in seq.pages)
+        released = sum(1 for p, n in held.items() if self.allocator.ref_count(p) == n)
+        if num_copies > self.allocator.num_free_pages + released:
             self._preempt(parents[0])
             self._assign_beams(group, continuations, first, ended, lambda j, parent: [])
             return
+        for seq in ended:
+            self.allocator.free(seq.pages)
 
         def pages_of(j: int, parent: Sequence) -> list[int]:
             if first[continuations[j].parent] == j:
@@ -479,17 +500,14 @@ class Scheduler:
 
     def _assign_beams(self, group: BeamSearch, continuations: SequenceABC[Continuation], first: dict[int, int],
                       ended: list[Sequence], pages_of) -> None:
-        """Build every continuation's tokens and pages from its unchanged parent, then release the
-        ended beams' pages and hand the sequences out."""
+        """Build every continuation's tokens and pages from its unchanged parent and hand the
+        sequences out (the ended beams' pages are released already)."""
         parents = group.members
         built = []
         for j, c in enumerate(continuations):
             parent = parents[c.parent]
             built.append(([*parent.token_ids, c.token], pages_of(j, parent)))
         running = parents[0].status is SequenceStatus.RUNNING
-        for seq in ended:
-            if running:
-                self.allocator.free(seq.pages)
         members = []
         for j, c in enumerate(continuations):
             tokens, pages = built[j]
@@ -588,6 +606,13 @@ class Scheduler:
         if None in slots or len(set(slots)) != len(slots) or set(slots) & set(self._free_slots):
             problems.append(f"running and reserved slots {slots} are not distinct or overlap the free ones "
                             f"{self._free_slots}")
+        for g in groups.values():
+            live = [s for s in g.members if s.status is SequenceStatus.RUNNING]
+            if len(live) + len(g.spare_slots) != (g.width if live else 0):
+                problems.append(f"a beam search of width {g.width} holds {len(live)} running beams and "
+                                f"{len(g.spare_slots)} reserved slots")
+            if any(s.status is SequenceStatus.FINISHED for s in g.members):
+                problems.append("a running beam search has a finished beam")
         if len(slots) + len(self._free_slots) != self.config.max_num_seqs:
             problems.append(f"{len(slots)} running or reserved + {len(self._free_slots)} free slots != "
                             f"{self.config.max_num_seqs}")

@@ -18,6 +18,11 @@ Commands, in the order they run:
   ("decode", S)        the decode step: S rows, 1..decode_steps iterations
   ("verify", T, S)     instead of the decode step when some row has draft tokens (speculative
                        decoding): each of S rows' last token and drafts, T = S * (drafts + 1)
+
+With a draft model (jaxserve.engine.drafting) a verify step also carries its draft loop: a
+("decode", S) command for the draft model's runner, whose sampled tokens become the verify
+step's drafts; its rows' page-table entries then travel as "pages" commands, which both runners
+take.
 """
 
 from __future__ import annotations
@@ -55,12 +60,23 @@ class Command:
 
 
 @dataclasses.dataclass
+class DraftLoop:
+    """A draft model's decode loop for a verify step: row i of `command` drafts `drafts[seq]`'s
+    placeholders for rows[i] = (seq, where its drafts start in the verify step's tokens)."""
+
+    command: Command
+    rows: list[tuple[Sequence, int]]
+    drafts: dict[Sequence, list[int]]  # the plan's: the drafting runner writes the real tokens in
+
+
+@dataclasses.dataclass
 class StepCommands:
     """What one SchedulerOutput becomes: the commands, and where each sampling row's outputs are."""
 
     commands: list[Command]
     prefill: Key | None = None  # the prefill step's key (its outputs are rows of its chunks, in order)
     decode: Key | None = None
+    draft_loop: DraftLoop | None = None  # runs before the verify step (draft-model speculation)
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +96,7 @@ class StepInputBuilder:
         decode_steps: int,
         row_params: Callable[[Sequence], RowParams],
         num_speculative_tokens: int = 0,
+        draft_model: bool = False,
     ):
         self.num_slots = num_slots  # including the padding slot num_slots - 1
         self.vocab_size = vocab_size
@@ -90,6 +107,7 @@ class StepInputBuilder:
         self.decode_steps = decode_steps
         self.row_params = row_params
         self.num_speculative_tokens = num_speculative_tokens  # verify steps are compiled when > 0
+        self.draft_model = draft_model  # drafts come from a draft model's decode loop
         self.row_sizes = powers_of_two(1, num_slots - 1)
         self._synced = [0] * num_slots  # page-table entries the device has, per slot
 
@@ -195,7 +213,9 @@ class StepInputBuilder:
         if out.decodes and out.drafts:
             key = self.verify_key(len(out.decodes))
             payload = self._verify(key, out.decodes, out.drafts)
-            commands += self._pages(out.decodes, payload, key)
+            commands += self._pages(out.decodes, payload, key, own=not self.draft_model)
+            if self.draft_model:
+                steps.draft_loop = self._draft_loop(out.decodes, out.drafts, payload)
             commands.append(Command(key, payload))
             steps.decode = key
         elif out.decodes:
@@ -286,16 +306,16 @@ class StepInputBuilder:
             commands.append(Command(key, payload))
         return commands
 
-    def _pages(self, seqs: list[Sequence], step: Payload, key: Key) -> list[Command]:
-        """New page-table entries of `seqs`: into the step's own payload while they fit, the rest
-        in "pages" commands that run before it."""
+    def _pages(self, seqs: list[Sequence], step: Payload, key: Key, own: bool = True) -> list[Command]:
+        """New page-table entries of `seqs`: into the step's own payload while they fit (unless
+        not `own`), the rest in "pages" commands that run before it."""
         entries: list[tuple[int, int, int]] = []
         for seq in seqs:
             synced = self._synced[seq.slot]
             if len(seq.pages) > synced:
                 entries += [(seq.slot, i, seq.pages[i]) for i in range(synced, len(seq.pages))]
                 self._synced[seq.slot] = len(seq.pages)
-        room = len(step["page_slots"])
+        room = len(step["page_slots"]) if own else 0
         extra, own = entries[: max(0, len(entries) - room)], entries[max(0, len(entries) - room):]
         for i, (slot, index, page) in enumerate(own):
             step["page_slots"][i], step["page_index"][i], step["page_ids"][i] = slot, index, page
@@ -324,6 +344,17 @@ class StepInputBuilder:
         """Each row's last token and its drafts (possibly none), ragged like prefill chunks."""
         return self._ragged(key, [(seq, seq.num_tokens - 1, [seq.token_ids[-1], *drafts.get(seq, ())]) for seq in seqs])
 
+    def _draft_loop(self, seqs: list[Sequence], drafts: dict[Sequence, list[int]], verify: Payload) -> DraftLoop:
+        """The draft model's decode loop for a verify step: each row from its last token, for as
+        many iterations as it has placeholders (a row without drafts runs one, which only writes
+        its last token's K/V, as the verify step will too)."""
+        key = self.decode_key(len(seqs))
+        want = [len(drafts.get(s, ())) for s in seqs]
+        payload = self._decode(key, seqs, max(want))
+        payload["remaining"][: len(seqs)] = [max(1, w) for w in want]
+        rows = [(s, int(verify["cu_q_lens"][i]) + 1) for i, s in enumerate(seqs)]
+        return DraftLoop(Command(key, payload), rows, drafts)
+
     def _ragged(self, key: Key, rows: list[tuple[Sequence, int, list[int]]]) -> Payload:
         """A ragged step's payload (prefill, verify): each row's (sequence, first position,
         tokens) concatenated, with the cumulative lengths, KV lengths, slots and sampling steps."""
@@ -351,7 +382,7 @@ class StepInputBuilder:
         p["positions"][:n] = [s.num_tokens - 1 for s in seqs]
         p["row_slots"][:n] = [s.slot for s in seqs]
         p["steps"][:n] = [s.num_output_tokens for s in seqs]
-        p["remaining"][:n] = [s.max_total_tokens - s.num_tokens for s in seqs]
+        p["remaining"][:n] = [1 if s.beam is not None else s.max_total_tokens - s.num_tokens for s in seqs]
         p["num_seqs"] = np.int32(n)
         p["num_steps"] = np.int32(num_steps)
         return p

@@ -45,7 +45,8 @@ async def parse(model: type[M]) -> M:
 def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(req)
     # OVMS (/v3): best_of > 1 is beam search, its width (sampling.py).
-    ovms_beams = request.path.startswith("/v3/") and (req.best_of or 1) > 1
+    ovms_beams = (request.path.startswith("/v3/") and (req.best_of or 1) > 1
+                  and "use_beam_search" not in req.model_fields_set)  # an explicit false keeps sampling
     params = sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
                             bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
                             use_beam_search=bool(req.use_beam_search) or ovms_beams)
@@ -102,7 +103,7 @@ def _structured_outputs(so: Any) -> GuideSpec | None:
 
 def _refuse_unsupported(req: SamplingFields) -> None:
     sampling.refuse_unhonoured(lambda name: getattr(req, name))
-    if req.stream and req.best_of is not None and req.best_of > req.n and not request.path.startswith("/v3/"):
+    if req.stream and req.best_of is not None and req.best_of > req.n:
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
     if req.stream_options is not None and req.stream_options.include_obfuscation:

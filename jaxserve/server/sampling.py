@@ -52,21 +52,18 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: A
     return SamplingParams(**kwargs, **computed)
 
 
-UNHONOURED = ("assistant_confidence_threshold",)  # refuse_unhonoured's
+UNHONOURED: tuple[str, ...] = ()  # fields refuse_unhonoured refuses whatever their value (none today)
 
 
 def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
-    """400 for a field we know and cannot honour yet: OVMS's assistant_confidence_threshold (a
-    draft model's). `value_of` as build's; `prefix` is where the protocol keeps the fields
+    """400 for fields that cannot go together: OVMS's num_assistant_tokens and
+    assistant_confidence_threshold (the engine refuses each where the server's speculation does
+    not use it). `value_of` as build's; `prefix` is where the protocol keeps the fields
     ("sampling_params." for SGLang), for the name in the error."""
     threshold = value_of("assistant_confidence_threshold")
     if threshold is not None and value_of("num_assistant_tokens") is not None:  # OVMS refuses both too
         raise ApiError(400, f"{prefix}num_assistant_tokens, {prefix}assistant_confidence_threshold: mutually "
                        "exclusive, give one at most", f"{prefix}assistant_confidence_threshold")
-    if threshold is not None:
-        raise ApiError(400, f"{prefix}assistant_confidence_threshold: it needs a draft model (--speculative-model), "
-                       "not supported yet; prompt-lookup decoding uses num_assistant_tokens + max_ngram_size",
-                       f"{prefix}assistant_confidence_threshold", code="not_supported")
 
 
 def early_stopping(value: Any) -> bool | str:
@@ -111,6 +108,7 @@ OPENAI = (
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
     Field("length_penalty", "length_penalty"), Field("early_stopping", "early_stopping", convert=early_stopping),
+    Field("assistant_confidence_threshold", "assistant_confidence_threshold"),
 )
 
 # SGLang's /generate sampling_params.
@@ -127,6 +125,7 @@ SGLANG = (
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
     Field("use_beam_search", "use_beam_search"), Field("length_penalty", "length_penalty"),
     Field("early_stopping", "early_stopping", convert=early_stopping),
+    Field("assistant_confidence_threshold", "assistant_confidence_threshold"),
 )
 
 # Triton's generate extension `parameters` (the vLLM backend's names, and TensorRT-LLM's).
@@ -146,4 +145,5 @@ TRITON = (
     Field("use_beam_search", "use_beam_search", types=(bool,)),
     Field("length_penalty", "length_penalty", types=NUMBERS),
     Field("early_stopping", "early_stopping", convert=early_stopping, types=(bool, str)),
+    Field("assistant_confidence_threshold", "assistant_confidence_threshold", types=NUMBERS),
 )

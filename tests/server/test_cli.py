@@ -49,6 +49,13 @@ def test_speculative_flags():
         config_from_args(parse_args(["--model", "/m", "--speculative-method", "ngram", "--num-speculative-tokens", "0"]))
     with pytest.raises(SystemExit):  # argparse: only the methods built
         parse_args(["--model", "/m", "--speculative-method", "eagle"])
+    cfg = config_from_args(parse_args(["--model", "/m", "--speculative-model", "/d", "--num-speculative-tokens", "4"]))
+    assert (cfg.scheduler.speculative_method, cfg.scheduler.num_speculative_tokens) == ("draft", 4)
+    assert cfg.model.speculative_model == "/d"
+    with pytest.raises(ConfigError, match="--speculative-model"):
+        config_from_args(parse_args(["--model", "/m", "--speculative-model", "/d", "--speculative-method", "ngram"]))
+    with pytest.raises(ConfigError, match="--speculative-model"):
+        config_from_args(parse_args(["--model", "/m", "--speculative-method", "draft"]))
 
 
 def test_yaml_config_and_cli_precedence(tmp_path):

@@ -1,4 +1,4 @@
-"""Prompt-lookup decoding through a real server (SmolLM2, real port, the official openai client):
+"""Prompt-lookup decoding, and a draft model, through a real server (SmolLM2, real port, the official openai client):
 a server started with --speculative-method ngram answers exactly what the plain server answers
 (greedy), whole and streamed, and reports its drafts in OpenAI usage, SGLang meta_info and
 /metrics; OVMS's per-request fields work on /v3 and are range-checked."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from live_server import MAX_MODEL_LEN, MODEL, small_engine, start_server
+from smollm2 import smollm2_gguf
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.app import create_app
@@ -73,3 +74,38 @@ def test_ovms_fields_on_v3_sglang_meta_info_and_metrics(spec_server):
     accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("jaxserve:spec_decode_num_accepted_tokens_total"))
     assert accepted >= meta["spec_accept_token_num"] + kept["accepted_prediction_tokens"]
+
+
+@pytest.fixture(scope="module")
+def draft_server(cache_dir, smollm2_tokenizer):
+    # Started as `--speculative-model PATH` starts it (startup.start_engine loads the draft): the
+    # same GGUF drafts for itself, so every draft is accepted.
+    engine = AsyncEngine(small_engine(cache_dir, speculative_model=str(smollm2_gguf()), speculative_method="draft",
+                                      num_speculative_tokens=3))
+    live = start_server(create_app(engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN))
+    yield live
+    live.close()
+    engine.shutdown()
+
+
+def test_a_draft_model_server_answers_as_the_plain_one(draft_server, client):
+    import openai
+
+    drafted = openai.OpenAI(base_url=draft_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    spec = drafted.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    details = spec.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 20}
+    sure = httpx.post(draft_server.url + "/v3/chat/completions", json=body | {"assistant_confidence_threshold": 0.5},
+                      timeout=120)
+    assert sure.status_code == 200, sure.text
+    assert sure.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content[:len(
+        sure.json()["choices"][0]["message"]["content"])]
+    for fields, param in (({"max_ngram_size": 2}, "max_ngram_size"),
+                          ({"num_assistant_tokens": 2, "assistant_confidence_threshold": 0.5},
+                           "assistant_confidence_threshold")):
+        reply = httpx.post(draft_server.url + "/v3/chat/completions", json=body | fields, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

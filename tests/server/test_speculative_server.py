@@ -151,7 +151,6 @@ def test_prompt_lookup_fields_must_be_integers(protocol, name):
 
 # (fields, the field the 400 names, words its message must contain)
 REFUSED = [
-    ({"assistant_confidence_threshold": 0.4}, "assistant_confidence_threshold", "draft model (--speculative-model)"),
     ({"num_assistant_tokens": 3, "assistant_confidence_threshold": 0.4}, "assistant_confidence_threshold",
      "mutually exclusive"),
 ]
@@ -169,6 +168,14 @@ def test_unhonoured_fields_are_refused_by_name(protocol, fields, name, words):
     if "mutually exclusive" in words:  # both are named, the check comes before either refusal
         assert prefix + "num_assistant_tokens" in message and "draft model" not in message
     assert not engine.params  # nothing reached the engine
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS, ids=IDS)
+def test_a_confidence_threshold_reaches_the_engine(protocol):
+    # The engine refuses it unless a draft model drafts (tests/engine/test_draft_model.py).
+    path, body, _ = protocol({"assistant_confidence_threshold": 0.4})
+    status, reply, engine = _post(path, body, RecordingEngine(speculative=True))
+    assert status == 200 and engine.params[0].assistant_confidence_threshold == 0.4, reply
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS, ids=IDS)

@@ -1,0 +1,123 @@
+"""Speculative decoding with a draft model end to end (SmolLM2 float32 verified by itself in
+bfloat16, on the CPU): greedy and seeded outputs equal plain decoding's token for token, under
+chunking, preemption and beside rows that do not speculate; the draft model's tokens are mostly
+accepted; OVMS's per-request num_assistant_tokens and assistant_confidence_threshold are
+honoured, and refused where they do not apply. A tiny model drafting for another of the same
+vocabulary (few accepted) changes nothing either."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from smollm2 import smollm2_gguf
+from tiny_models import make_tiny_model
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.build import EngineConfig, build_engine
+from jaxserve.engine.core import Engine, run_to_completion
+from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import InvalidRequestError
+from jaxserve.weights import load_model
+
+pytestmark = pytest.mark.slow
+
+# 9 usable pages of 16 tokens: the four requests below cannot all fit, so some are preempted.
+SMALL = EngineConfig(
+    cache=CacheConfig(page_size=16, num_pages=10),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240,
+                              speculative_method="draft", num_speculative_tokens=4),
+    check_integrity=True,
+)
+PLAIN = dataclasses.replace(SMALL, scheduler=dataclasses.replace(SMALL.scheduler, speculative_method=None))
+
+
+@pytest.fixture(scope="module")
+def draft(cache_dir):
+    return load_model(smollm2_gguf(), "bfloat16", cache_dir=cache_dir).model
+
+
+@pytest.fixture(scope="module")
+def engine(model, draft, smollm2_tokenizer):
+    return build_engine(model, smollm2_tokenizer, SMALL, draft=draft)
+
+
+@pytest.fixture(scope="module")
+def plain(model, smollm2_tokenizer):
+    return build_engine(model, smollm2_tokenizer, PLAIN)
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> list:
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+    results = run_to_completion(engine, ids)
+    engine.check_idle_integrity()
+    return [results[r] for r in ids]
+
+
+def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, plain, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]),
+               tok.encode("def fibonacci(n):\n"), tok.encode("The three laws of robotics are"),
+               tok.encode("Once upon a time, in a small village,")]
+    params = [SamplingParams(temperature=0.0, max_tokens=100), SamplingParams(temperature=0.0, max_tokens=100),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=100),
+              SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=1.3)]  # does not speculate
+    before = engine.num_preemptions
+    ours = _run(engine, prompts, params, "spec")
+    theirs = _run(plain, prompts, params, "plain")
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    assert engine.num_preemptions > before  # the small cache made it recompute
+    greedy = ours[0].num_draft_tokens + ours[1].num_draft_tokens
+    accepted = ours[0].num_accepted_draft_tokens + ours[1].num_accepted_draft_tokens
+    assert greedy > 0 and accepted / greedy > 0.6  # bfloat16 SmolLM2 mostly agrees with float32
+    assert ours[3].num_draft_tokens == 0
+
+
+def test_per_request_fields(engine, plain, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+    base = SamplingParams(temperature=0.0, max_tokens=30)
+    (want,) = _run(plain, [prompt], [base], "p")
+    (two,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=2)], "two")
+    (off,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=0)], "off")
+    (sure,) = _run(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.999)], "sure")
+    (any_,) = _run(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.0)], "any")
+    for out in (two, off, sure, any_):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert off.num_draft_tokens == 0
+    assert 0 < two.num_draft_tokens <= 2 * 30
+    # A threshold near 1 drafts only what the draft model is all but sure of; 0 drafts everything.
+    assert sure.num_draft_tokens < any_.num_draft_tokens
+    bad = [(dict(num_assistant_tokens=2, assistant_confidence_threshold=0.5), "assistant_confidence_threshold"),
+           (dict(assistant_confidence_threshold=1.5), "assistant_confidence_threshold"),
+           (dict(num_assistant_tokens=5), "num_assistant_tokens"), (dict(max_ngram_size=2), "max_ngram_size")]
+    for extra, name in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("bad", prompt, dataclasses.replace(base, **extra))
+        assert e.value.param == name
+    with pytest.raises(InvalidRequestError) as e:
+        plain.add_request("bad", prompt, dataclasses.replace(base, assistant_confidence_threshold=0.5))
+    assert e.value.param == "assistant_confidence_threshold"
+
+
+def test_a_poor_draft_model_changes_nothing(tmp_path):
+    make_tiny_model("llama3", tmp_path / "target")
+    make_tiny_model("qwen2", tmp_path / "draft")
+    target = load_model(tmp_path / "target", "float32", use_cache=False).model
+    drafter = load_model(tmp_path / "draft", "float32", use_cache=False).model
+    config = dataclasses.replace(SMALL, cache=CacheConfig(page_size=8, num_pages=40))
+    engine = build_engine(target, None, config, eos_ids=[2], draft=drafter)
+    plain = build_engine(target, None, dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, speculative_method=None)), eos_ids=[2])
+    prompts = [[1, 17, 99, 3, 250, 42], [1, 5, 5, 5, 5, 5, 77], [1, 200]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40)]
+    ours, theirs = _run(engine, prompts, params, "t"), _run(plain, prompts, params, "u")
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    assert sum(o.num_draft_tokens for o in ours) > 0
+    with pytest.raises(ValueError, match="vocabulary"):
+        build_engine(target, None, config, draft=load_model(smollm2_gguf(), "bfloat16").model, compile=False)
