@@ -67,6 +67,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     max_ngram_size: int = 3
     min_ngram_size: int = 1  # shorter matches are not drafted from (vLLM's prompt_lookup_min)
+    # Per-request defaults when a request sets neither (OVMS: the model's generation_config.json
+    # num_assistant_tokens / assistant_confidence_threshold); None: num_speculative_tokens, no threshold.
+    default_assistant_tokens: int | None = None
+    default_confidence_threshold: float | None = None
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
 

@@ -23,7 +23,7 @@ from jaxserve.config import (
 )
 from jaxserve.engine.classify_batcher import finish_embedding, probabilities
 from jaxserve.engine.core import run_to_completion
-from jaxserve.engine.output import RequestOutput
+from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
 from jaxserve.startup import start_classify_engine, start_engine
@@ -87,6 +87,38 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search` (its fields in its order). Beams are scored by the
+    model's log-probabilities, so temperature may be 0 or 1 only (jaxserve.engine.beam)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # (beam search ends on end ids only: nothing to include)
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM returns it: the prompt's tokens followed by the beam's, and their text."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob]  # the beam's own tokens'
+    cum_logprob: float
+    text: str | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """vLLM's: every beam of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -224,6 +256,26 @@ class LLM:
         {"prompt_token_ids": [...]} dicts); outputs come back in prompt order."""
         self._require_task("generate", "LLM.generate")
         return self._run([self._prompt_ids(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: all `beam_width` beams of each prompt, best first, run inside
+        the engine's batching (as `generate` with SamplingParams(use_beam_search=True,
+        best_of=n=beam_width) runs them; HF transformers' beam search, token for token)."""
+        sampling = SamplingParams(use_beam_search=True, best_of=params.beam_width, n=params.beam_width,
+                                  max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                  temperature=params.temperature, length_penalty=params.length_penalty, logprobs=0)
+        tokenizer = self.engine.tokenizer
+        outputs = []
+        for result in self.generate(prompts, sampling, use_tqdm):
+            beams = []
+            for o in result.outputs:
+                tokens = [*result.prompt_token_ids, *o.token_ids]
+                text = tokenizer.decode(tokens) if tokenizer is not None else None
+                beams.append(BeamSearchSequence(tokens, o.logprobs or [], o.cumulative_logprob, text, o.finish_reason,
+                                                o.stop_reason))
+            outputs.append(BeamSearchOutput(beams))
+        return outputs
 
     def classify(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Class probabilities for every prompt (text, token ids, or vLLM's prompt dicts), in

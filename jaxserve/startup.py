@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import Config, ModelConfig
+from jaxserve.config import Config, ModelConfig, SchedulerConfig
 from jaxserve.models.config import DecoderConfig
 from jaxserve.parallel import make_mesh, param_sharding_for
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
@@ -103,6 +103,36 @@ def generation_eos_ids(source: ModelSource) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def speculation_defaults(source: ModelSource, scheduler: SchedulerConfig) -> SchedulerConfig:
+    """The deployment's drafting defaults from generation_config.json beside the model (OVMS's
+    num_assistant_tokens / assistant_confidence_threshold), checked against how it speculates."""
+    folder = source.path if source.path.is_dir() else source.path.parent
+    path = folder / "generation_config.json"
+    if scheduler.speculative_method is None or not path.is_file():
+        return scheduler
+    try:
+        config = json.loads(path.read_text())
+        tokens, threshold = config.get("num_assistant_tokens"), config.get("assistant_confidence_threshold")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object ({e})") from e
+    k = scheduler.num_speculative_tokens
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= k):
+        raise ValueError(f"{path}: num_assistant_tokens must be an integer in [0, {k}] (--num-speculative-tokens), "
+                         f"got {tokens!r}")
+    if threshold is not None:
+        if tokens is not None:
+            raise ValueError(f"{path}: num_assistant_tokens and assistant_confidence_threshold are exclusive")
+        if scheduler.speculative_method != "draft":
+            raise ValueError(f"{path}: assistant_confidence_threshold needs a draft model (--speculative-model)")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"{path}: assistant_confidence_threshold must be in [0, 1], got {threshold!r}")
+    if tokens is None and threshold is None:
+        return scheduler
+    log.info("speculative decoding: requests default to %s (%s)", f"{tokens} draft tokens" if tokens is not None
+             else f"a draft confidence threshold of {threshold}", path)
+    return dataclasses.replace(scheduler, default_assistant_tokens=tokens, default_confidence_threshold=threshold)
+
+
 def resolve_decode_steps(requested: int | None, platform: str | None = None) -> int:
     """--decode-steps: the decode iterations one device step may run. auto (None): 8 on GPUs and
     TPUs, where the host's work between steps (1.7 ms at batch 1, 5 ms at 64 on an H100) is a
@@ -140,6 +170,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
         max_model_len = min(max_model_len, default_max_model_len)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_model_len,
                                     decode_steps=resolve_decode_steps(config.decode_steps))
+    scheduler = speculation_defaults(ready.loaded.source, scheduler)
     attention_backend = resolve_backend(config.attention_backend, tensor_parallel=tp)
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
@@ -158,8 +189,9 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     log.info("decode: up to %d iterations per device step", scheduler.decode_steps)
     draft = None
     if config.model.speculative_model is not None:
+        # The served model's config.json overrides are its own, not the draft's.
         draft_config = dataclasses.replace(config.model, model=config.model.speculative_model, max_model_len=None,
-                                           speculative_model=None)
+                                           speculative_model=None, hf_overrides=None)
         draft = load(draft_config, tp, skip_tokenizer_init=True).loaded.model
         log.info("speculative decoding: draft model %s, up to %d draft tokens per verify step",
                  config.model.speculative_model, scheduler.num_speculative_tokens)

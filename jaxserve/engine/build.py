@@ -88,9 +88,10 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     if draft is not None:
         # The draft's decode steps are its drafting loops: as many iterations as drafts.
         # A GGUF's kept blocks are the target's own: the draft runs dense (or int8/int4 as asked).
-        loop = dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=sched.num_speculative_tokens),
-                                   quantization=config.quantization if config.quantization in ("int8", "int4") else "none")
-        runner = DraftingRunner(runner, _runner(draft, loop, num_pages, take_weights))
+        drafting = dataclasses.replace(
+            config, scheduler=dataclasses.replace(sched, decode_steps=sched.num_speculative_tokens),
+            quantization=config.quantization if config.quantization in ("int8", "int4") else "none")
+        runner = DraftingRunner(runner, _runner(draft, drafting, num_pages, take_weights))
     if jax.process_count() > 1:
         # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
         runner.channel = StepChannel(builder.keys(), builder.abstract)
@@ -101,7 +102,10 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       num_pages=num_pages, decode_steps=sched.decode_steps,
                       speculative_method=sched.speculative_method,
                       num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
-                      max_ngram_size=sched.max_ngram_size if sched.speculative_method == "ngram" else 0)
+                      max_ngram_size=sched.max_ngram_size if sched.speculative_method == "ngram" else 0,
+                      default_assistant_tokens=sched.default_assistant_tokens if sched.speculative_method else None,
+                      default_confidence_threshold=(sched.default_confidence_threshold
+                                                    if sched.speculative_method == "draft" else None))
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     if config.check_integrity:
@@ -124,6 +128,9 @@ def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | No
                          f"({decoder.cfg.vocab_size}): a draft model must share the tokenizer")
     if jax.process_count() > 1:
         raise ValueError("speculative decoding with a draft model runs on one host only")
+    if draft.cfg.max_position_embeddings < sched.max_model_len:
+        raise ValueError(f"the draft model reads at most {draft.cfg.max_position_embeddings} positions, fewer than "
+                         f"the context limit of {sched.max_model_len} (--max-model-len): its drafts past it would be noise")
     if sched.decode_steps > 1:
         log.info("speculative decoding with a draft model: one decode iteration per step (not %d)", sched.decode_steps)
     return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
@@ -173,8 +180,12 @@ def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int, draft
                                                       reserve_bytes))
     page_size = config.cache.page_size
     if draft is not None and config.cache.num_pages is None:
-        own = bytes_per_page(cfg, page_size, decoder.dtype)
-        num_pages = max(2, num_pages * own // (own + bytes_per_page(draft.cfg, page_size, draft.dtype)))
+        # Per device: each cache is split over its own model's kv-head shards.
+        own = bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards
+        draft_mesh = mesh_of(nnx.state(draft))
+        draft_shards = ShardingPlan(draft_mesh, draft.cfg).kv_shards if draft_mesh is not None else 1
+        other = bytes_per_page(draft.cfg, page_size, draft.dtype) / draft_shards
+        num_pages = max(2, int(num_pages * own // (own + other)))
     log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
              num_pages * bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards / 2**20,
              f" per device, split {kv_shards} ways" if kv_shards > 1 else "")

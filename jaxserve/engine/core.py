@@ -82,6 +82,7 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         validate_prompt(prompt_ids, self.info.vocab_size)
         params.validate(self.info.vocab_size, self.info.max_n)
+        params = speculation_defaults(params, self.info)
         check_speculation(params, self.info)
         if params.stop and self.tokenizer is None:
             # Stop strings are matched on the output text, and without a tokenizer there is none:
@@ -334,6 +335,20 @@ class Engine:
 
 def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:
     return [c.seq for c in out.prefills if c.samples] + out.decodes
+
+
+def speculation_defaults(params: SamplingParams, info: EngineInfo) -> SamplingParams:
+    """`params` with the deployment's drafting default when the request chose nothing (OVMS's
+    order: the request, then generation_config.json, then --num-speculative-tokens)."""
+    if params.num_assistant_tokens is not None or params.assistant_confidence_threshold is not None:
+        return params
+    if params.use_beam_search or info.speculative_method is None:
+        return params
+    if info.default_confidence_threshold is not None:
+        return dataclasses.replace(params, assistant_confidence_threshold=info.default_confidence_threshold)
+    if info.default_assistant_tokens is not None:
+        return dataclasses.replace(params, num_assistant_tokens=info.default_assistant_tokens)
+    return params
 
 
 def check_speculation(params: SamplingParams, info: EngineInfo) -> None:

@@ -36,7 +36,7 @@ from jaxserve.parallel.multihost import to_host
 class DraftingRunner:
     """The engine's runner when a draft model drafts: the target's runner, with the draft's beside it."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner):
+    def __init__(self, target: ModelRunner, draft: ModelRunner) -> None:
         self.target = target
         self.draft = draft
         self.channel: Any = None  # one host only (multi-host drafting is refused at start-up)
@@ -88,6 +88,7 @@ class DraftingRunner:
             got = tokens[: min(want, int(num[i])), i].tolist()
             threshold = seq.params.assistant_confidence_threshold
             if threshold is not None:
+                # The loop ended the row at its first token below the threshold: not a draft.
                 low = next((j for j, lp in enumerate(logprobs[: len(got), i]) if math.exp(lp) < threshold), len(got))
                 got = got[:low]
             verify["tokens"][start:start + want] = got + [got[-1] if got else 0] * (want - len(got))

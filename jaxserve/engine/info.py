@@ -27,6 +27,10 @@ class EngineInfo:
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     max_ngram_size: int = 0
+    # A request that sets neither num_assistant_tokens nor assistant_confidence_threshold gets these
+    # (the deployment's defaults: generation_config.json, as OVMS reads it).
+    default_assistant_tokens: int | None = None
+    default_confidence_threshold: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,6 +178,7 @@ class StepInputBuilder:
         return pages | {
             "tokens": ((s,), i32), "positions": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32),
             "steps": ((s,), i32), "remaining": ((s,), i32), "num_steps": ((), i32),
+            "min_logprob": ((s,), np.dtype(np.float32)),
         }
 
     def empty(self, key: Key) -> Payload:
@@ -186,6 +187,8 @@ class StepInputBuilder:
         for name in ("slots", "page_slots"):
             if name in out:
                 out[name].fill(self.num_slots)  # out of range: padding entries are dropped
+        if "min_logprob" in out:
+            out["min_logprob"].fill(-np.inf)  # no confidence threshold
         return out
 
     # ---- one step -------------------------------------------------------------------------------
@@ -352,6 +355,11 @@ class StepInputBuilder:
         want = [len(drafts.get(s, ())) for s in seqs]
         payload = self._decode(key, seqs, max(want))
         payload["remaining"][: len(seqs)] = [max(1, w) for w in want]
+        # OVMS's assistant_confidence_threshold: a row stops drafting after a token less likely than it.
+        for i, seq in enumerate(seqs):
+            threshold = seq.params.assistant_confidence_threshold
+            if threshold:
+                payload["min_logprob"][i] = math.log(threshold)
         rows = [(s, int(verify["cu_q_lens"][i]) + 1) for i, s in enumerate(seqs)]
         return DraftLoop(Command(key, payload), rows, drafts)
 
@@ -385,4 +393,5 @@ class StepInputBuilder:
         p["remaining"][:n] = [1 if s.beam is not None else s.max_total_tokens - s.num_tokens for s in seqs]
         p["num_seqs"] = np.int32(n)
         p["num_steps"] = np.int32(num_steps)
+        p["min_logprob"].fill(-np.inf)
         return p

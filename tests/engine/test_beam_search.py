@@ -29,9 +29,9 @@ CONFIG = EngineConfig(
     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=4, max_model_len=256),
     check_integrity=True,
 )
-# 25 usable pages of 8 tokens: one 4-beam search of 50 tokens fits (25 pages without sharing),
+# 21 usable pages of 8 tokens: one 4-beam search of 42 tokens fits (21 pages without sharing),
 # two beside two other requests do not.
-SMALL = dataclasses.replace(CONFIG, cache=CacheConfig(page_size=8, num_pages=26),
+SMALL = dataclasses.replace(CONFIG, cache=CacheConfig(page_size=8, num_pages=22),
                             scheduler=dataclasses.replace(CONFIG.scheduler, max_num_seqs=12))
 
 # (beams, returned, length_penalty, early_stopping, max_tokens)
@@ -91,7 +91,7 @@ def test_smollm2_beams_match_hf(engine, hf, smollm2_tokenizer, setting):
     eos = list(engine.info.eos_ids)
     chat = tok.encode_chat([{"role": "user", "content": "What is 2+2? Answer with one number."}])
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n"), chat]
-    width, n, lp, es, max_tokens = setting
+    _, n, lp, _, _ = setting
     ours = _run(engine, prompts, [_beams(*setting, logprobs=2)] * len(prompts))
     for prompt, out in zip(prompts, ours):
         _check_same(out, _hf_beams(hf, prompt, eos, *setting), eos, lp)
@@ -126,9 +126,9 @@ def test_beams_beside_other_requests_and_under_preemption(model, smollm2_tokeniz
     tok = smollm2_tokenizer
     prompts = [tok.encode("Once upon a time, in a small village,"), tok.encode("The three laws of robotics are"),
                tok.encode("List three colours:"), tok.encode("The capital of France is")]
-    beam = _beams(4, 2, 1.0, False, 40)
-    greedy = SamplingParams(temperature=0.0, max_tokens=40)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=40)
+    beam = _beams(4, 2, 1.0, False, 32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32)
     alone = [_run(engine, [p], [s], f"alone{i}")[0] for i, (p, s) in enumerate(zip(prompts, [beam, greedy, seeded, beam]))]
     mixed = _run(engine, prompts, [beam, greedy, seeded, beam], "mixed")
     small = build_engine(model, smollm2_tokenizer, SMALL)
@@ -139,7 +139,7 @@ def test_beams_beside_other_requests_and_under_preemption(model, smollm2_tokeniz
         assert [o.token_ids for o in s.outputs] == [o.token_ids for o in a.outputs]
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "gemma2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
 def test_tiny_models_match_hf(name, tmp_path):
     hf = make_tiny_model(name, tmp_path)
     decoder = load_model(tmp_path, "float32", use_cache=False).model
@@ -152,9 +152,7 @@ def test_tiny_models_match_hf(name, tmp_path):
         for prompt, out in zip(prompts, ours):
             _check_same(out, _hf_beams(hf, prompt, eos, *setting), eos, setting[2])
             ended += sum(o.finish_reason == "stop" for o in out.outputs)
-    # Some beams ended on EOS, so the finished-hypothesis rules were exercised (not on gemma2: its
-    # final softcap of 3.0 flattens the random model's distribution, and EOS never wins).
-    assert ended > 0 or name == "gemma2"
+    assert ended > 0  # some beams ended on EOS: the finished-hypothesis rules were exercised
 
 
 def test_refused(engine, smollm2_tokenizer):

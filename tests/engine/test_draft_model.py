@@ -1,9 +1,10 @@
-"""Speculative decoding with a draft model end to end (SmolLM2 float32 verified by itself in
-bfloat16, on the CPU): greedy and seeded outputs equal plain decoding's token for token, under
-chunking, preemption and beside rows that do not speculate; the draft model's tokens are mostly
-accepted; OVMS's per-request num_assistant_tokens and assistant_confidence_threshold are
-honoured, and refused where they do not apply. A tiny model drafting for another of the same
-vocabulary (few accepted) changes nothing either."""
+"""Speculative decoding with a draft model end to end (SmolLM2 float32 drafting for itself, on the
+CPU): greedy and seeded outputs equal plain decoding's token for token, under chunking,
+preemption, prefix-cache hits, n > 1 and beside rows that do not speculate; and since the draft is
+the model itself, nearly every greedy draft is accepted, which holds only if the draft's own KV
+cache follows the target's exactly through all of that. OVMS's per-request num_assistant_tokens
+and assistant_confidence_threshold are honoured, and refused where they do not apply. A tiny model
+drafting for another of the same vocabulary (few accepted) changes nothing either."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tiny_models import make_tiny_model
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import Engine, run_to_completion
+from jaxserve.engine.core import Engine, check_speculation, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError
 from jaxserve.weights import load_model
@@ -29,22 +30,16 @@ SMALL = EngineConfig(
                               speculative_method="draft", num_speculative_tokens=4),
     check_integrity=True,
 )
-PLAIN = dataclasses.replace(SMALL, scheduler=dataclasses.replace(SMALL.scheduler, speculative_method=None))
 
 
 @pytest.fixture(scope="module")
-def draft(cache_dir):
-    return load_model(smollm2_gguf(), "bfloat16", cache_dir=cache_dir).model
+def engine(model, smollm2_tokenizer):
+    return build_engine(model, smollm2_tokenizer, SMALL, draft=model)
 
 
-@pytest.fixture(scope="module")
-def engine(model, draft, smollm2_tokenizer):
-    return build_engine(model, smollm2_tokenizer, SMALL, draft=draft)
-
-
-@pytest.fixture(scope="module")
-def plain(model, smollm2_tokenizer):
-    return build_engine(model, smollm2_tokenizer, PLAIN)
+def _plain(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The same requests decoded without drafts (num_assistant_tokens 0: plain decode steps)."""
+    return [dataclasses.replace(p, num_assistant_tokens=0) for p in params]
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> list:
@@ -56,31 +51,37 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
     return [results[r] for r in ids]
 
 
-def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, plain, smollm2_tokenizer):
+def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]),
-               tok.encode("def fibonacci(n):\n"), tok.encode("The three laws of robotics are"),
-               tok.encode("Once upon a time, in a small village,")]
+    fib = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively.\"\"\"\n")
+    prompts = [tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]), fib,
+               tok.encode("The three laws of robotics are"), tok.encode("Once upon a time, in a small village,"),
+               fib]  # again: its first page comes from the prefix cache
     params = [SamplingParams(temperature=0.0, max_tokens=100), SamplingParams(temperature=0.0, max_tokens=100),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=100),
-              SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=1.3)]  # does not speculate
+              SamplingParams(temperature=0.8, seed=3, max_tokens=100, n=2),
+              SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=1.3),  # does not speculate
+              SamplingParams(temperature=0.0, max_tokens=60)]
     before = engine.num_preemptions
     ours = _run(engine, prompts, params, "spec")
-    theirs = _run(plain, prompts, params, "plain")
+    theirs = _run(engine, prompts, _plain(params), "plain")
     for a, b in zip(ours, theirs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
     assert engine.num_preemptions > before  # the small cache made it recompute
-    greedy = ours[0].num_draft_tokens + ours[1].num_draft_tokens
-    accepted = ours[0].num_accepted_draft_tokens + ours[1].num_accepted_draft_tokens
-    assert greedy > 0 and accepted / greedy > 0.6  # bfloat16 SmolLM2 mostly agrees with float32
+    assert ours[4].num_cached_tokens > 0
+    greedy = [ours[i] for i in (0, 1, 4)]
+    drafted = sum(o.num_draft_tokens for o in greedy)
+    # A stale draft cache would draft from the wrong K/V and miss; only the numerics of a decode
+    # loop against a ragged verify step may part the two on a near tie.
+    assert drafted > 0 and sum(o.num_accepted_draft_tokens for o in greedy) / drafted > 0.95
+    assert ours[2].num_accepted_draft_tokens > 0  # sampled rows draft the same draws
     assert ours[3].num_draft_tokens == 0
 
 
-def test_per_request_fields(engine, plain, smollm2_tokenizer):
+def test_per_request_fields(engine, smollm2_tokenizer):
     prompt = smollm2_tokenizer.encode("The capital of France is")
     base = SamplingParams(temperature=0.0, max_tokens=30)
-    (want,) = _run(plain, [prompt], [base], "p")
+    (want,) = _run(engine, [prompt], _plain([base]), "p")
     (two,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=2)], "two")
     (off,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=0)], "off")
     (sure,) = _run(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.999)], "sure")
@@ -98,9 +99,11 @@ def test_per_request_fields(engine, plain, smollm2_tokenizer):
         with pytest.raises(InvalidRequestError) as e:
             engine.add_request("bad", prompt, dataclasses.replace(base, **extra))
         assert e.value.param == name
-    with pytest.raises(InvalidRequestError) as e:
-        plain.add_request("bad", prompt, dataclasses.replace(base, assistant_confidence_threshold=0.5))
-    assert e.value.param == "assistant_confidence_threshold"
+    for method in (None, "ngram"):  # a server without a draft model
+        info = dataclasses.replace(engine.info, speculative_method=method)
+        with pytest.raises(InvalidRequestError) as e:
+            check_speculation(dataclasses.replace(base, assistant_confidence_threshold=0.5), info)
+        assert e.value.param == "assistant_confidence_threshold"
 
 
 def test_a_poor_draft_model_changes_nothing(tmp_path):
@@ -110,13 +113,11 @@ def test_a_poor_draft_model_changes_nothing(tmp_path):
     drafter = load_model(tmp_path / "draft", "float32", use_cache=False).model
     config = dataclasses.replace(SMALL, cache=CacheConfig(page_size=8, num_pages=40))
     engine = build_engine(target, None, config, eos_ids=[2], draft=drafter)
-    plain = build_engine(target, None, dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, speculative_method=None)), eos_ids=[2])
     prompts = [[1, 17, 99, 3, 250, 42], [1, 5, 5, 5, 5, 5, 77], [1, 200]]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=40)]
-    ours, theirs = _run(engine, prompts, params, "t"), _run(plain, prompts, params, "u")
+    ours, theirs = _run(engine, prompts, params, "t"), _run(engine, prompts, _plain(params), "u")
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     assert sum(o.num_draft_tokens for o in ours) > 0
     with pytest.raises(ValueError, match="vocabulary"):
