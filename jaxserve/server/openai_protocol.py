@@ -64,8 +64,9 @@ class SamplingFields(_Strict):
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
     # OVMS's speculative decoding: prompt lookup (served with --speculative-method ngram) takes
-    # num_assistant_tokens and max_ngram_size; assistant_confidence_threshold needs a draft model
-    # (refused by sampling.refuse_unhonoured).
+    # num_assistant_tokens and max_ngram_size; a draft model (--speculative-model) takes
+    # num_assistant_tokens or assistant_confidence_threshold (the engine refuses what its method
+    # does not use; sampling.refuse_unhonoured the two together).
     num_assistant_tokens: int | None = None
     max_ngram_size: int | None = None
     assistant_confidence_threshold: float | None = None

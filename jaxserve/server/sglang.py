@@ -53,8 +53,7 @@ class SGLangSamplingParams(KnownFields):
     use_beam_search: bool = False
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
-    # Known and refused by sampling.refuse_unhonoured, with a reason rather than "extra field":
-    # a draft model's threshold.
+    # OVMS's draft-model threshold (a server with --speculative-model honours it).
     assistant_confidence_threshold: float | None = None
 
 
