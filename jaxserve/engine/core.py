@@ -116,7 +116,7 @@ class Engine:
     def _beam_search(self, num_prompt_tokens: int, max_total: int, params: SamplingParams) -> BeamSearch:
         """A beam request's search state, or InvalidRequestError / RequestTooLongError when its beams
         cannot run here."""
-        end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        end_ids = params.end_ids(self.eos_ids)
         width, widest = params.beam_width, max_beam_width(len(end_ids))
         name = "best_of" if params.best_of is not None else "n"  # the field that set the width
         if width > widest:

@@ -10,6 +10,7 @@ import enum
 import itertools
 import math
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.errors import InvalidRequestError
@@ -71,6 +72,10 @@ class SamplingParams:
     @property
     def num_samples(self) -> int:
         return self.best_of or self.n
+
+    def end_ids(self, eos_ids: Iterable[int]) -> set[int]:
+        """The ids that end a sequence of this request: its stop ids, and EOS unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
 
     @property
     def beam_width(self) -> int:

@@ -121,7 +121,7 @@ def row_params(seq: Seq, eos_ids: Iterable[int]) -> RowParams:
     change (single-token bad words) and the ids that end it."""
     p = seq.params
     want = p.logprobs if p.logprobs is not None else (0 if p.best_of and p.best_of > p.n else -1)
-    end_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+    end_ids = p.end_ids(eos_ids)
     # A beam's row reports its best next tokens for the host's beam search (jaxserve.engine.beam);
     # the token it samples itself is never used, so it samples greedily (no noise to draw).
     beam = seq.params.use_beam_search

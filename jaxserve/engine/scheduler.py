@@ -43,7 +43,8 @@ import bisect
 import collections
 import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence as SequenceABC
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.beam import BeamSearch, Continuation
@@ -526,10 +527,13 @@ class Scheduler:
                 seq.pages = pages
                 seq.num_computed_tokens = len(tokens) - 1
             members.append(seq)
-        for seq in ended:  # fewer continuations than beams: only when the search ends
+        # Fewer continuations than beams (too few candidates that do not end): the leftover beams
+        # end, and their slots stay reserved for the group.
+        for seq in ended:
             if running:
                 self.running.remove(seq)
-                self._release_slot(seq)
+                group.spare_slots.append(seq.slot)
+                seq.slot = None
             else:
                 self.waiting.remove(seq)
             seq.pages, seq.status = [], SequenceStatus.FINISHED

@@ -66,12 +66,6 @@ def refuse_unhonoured(value_of: Callable[[str], Any], prefix: str = "") -> None:
                        "exclusive, give one at most", f"{prefix}assistant_confidence_threshold")
 
 
-def early_stopping(value: Any) -> bool | str:
-    if not (isinstance(value, bool) or value == "never"):
-        raise ApiError(400, f'early_stopping: must be true, false or "never", got {value!r}', "early_stopping")
-    return value
-
-
 def refuse_streamed_beams(params: SamplingParams, stream: bool | None, name: str = "use_beam_search") -> None:
     """Beam search knows its beams only when it ends: nothing to stream before."""
     if stream and params.use_beam_search:
@@ -107,7 +101,7 @@ OPENAI = (
     Field("skip_special_tokens", "skip_special_tokens"),
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
-    Field("length_penalty", "length_penalty"), Field("early_stopping", "early_stopping", convert=early_stopping),
+    Field("length_penalty", "length_penalty"), Field("early_stopping", "early_stopping"),
     Field("assistant_confidence_threshold", "assistant_confidence_threshold"),
 )
 
@@ -124,7 +118,7 @@ SGLANG = (
     Field("logit_bias", "logit_bias", convert=token_bias("sampling_params.logit_bias")),
     Field("num_assistant_tokens", "num_assistant_tokens"), Field("max_ngram_size", "max_ngram_size"),
     Field("use_beam_search", "use_beam_search"), Field("length_penalty", "length_penalty"),
-    Field("early_stopping", "early_stopping", convert=early_stopping),
+    Field("early_stopping", "early_stopping"),
     Field("assistant_confidence_threshold", "assistant_confidence_threshold"),
 )
 
@@ -144,6 +138,6 @@ TRITON = (
     Field("max_ngram_size", "max_ngram_size", types=(int,)),
     Field("use_beam_search", "use_beam_search", types=(bool,)),
     Field("length_penalty", "length_penalty", types=NUMBERS),
-    Field("early_stopping", "early_stopping", convert=early_stopping, types=(bool, str)),
+    Field("early_stopping", "early_stopping", types=(bool, str)),
     Field("assistant_confidence_threshold", "assistant_confidence_threshold", types=NUMBERS),
 )

@@ -11,13 +11,13 @@ import dataclasses
 
 import pytest
 import torch
+from engine_requests import run_requests
 from smollm2 import GGUF_NAME, smollm2_dir
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError, RequestTooLongError
 from jaxserve.weights import load_model
@@ -54,13 +54,6 @@ def _beams(width: int, n: int, length_penalty: float, early_stopping: bool | str
                           length_penalty=length_penalty, early_stopping=early_stopping, **kw)
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], prefix: str = "r") -> list:
-    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params):
-        engine.add_request(rid, prompt, p)
-    results = run_to_completion(engine, ids)
-    engine.check_idle_integrity()
-    return [results[r] for r in ids]
 
 
 def _hf_beams(hf, prompt: list[int], eos: list[int], width: int, n: int, length_penalty: float,
@@ -92,7 +85,7 @@ def test_smollm2_beams_match_hf(engine, hf, smollm2_tokenizer, setting):
     chat = tok.encode_chat([{"role": "user", "content": "What is 2+2? Answer with one number."}])
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n"), chat]
     _, n, lp, _, _ = setting
-    ours = _run(engine, prompts, [_beams(*setting, logprobs=2)] * len(prompts))
+    ours = run_requests(engine, prompts, [_beams(*setting, logprobs=2)] * len(prompts))
     for prompt, out in zip(prompts, ours):
         _check_same(out, _hf_beams(hf, prompt, eos, *setting), eos, lp)
         assert len(out.outputs) == n
@@ -109,15 +102,15 @@ def test_min_tokens_and_stop_ids_match_hf(engine, hf, smollm2_tokenizer):
     tok = smollm2_tokenizer
     eos = list(engine.info.eos_ids)
     chat = tok.encode_chat([{"role": "user", "content": "Say hi."}])
-    (ours,) = _run(engine, [chat], [_beams(3, 2, 1.0, False, 24, min_tokens=8)])
+    (ours,) = run_requests(engine, [chat], [_beams(3, 2, 1.0, False, 24, min_tokens=8)])
     _check_same(ours, _hf_beams(hf, chat, eos, 3, 2, 1.0, False, 24, min_tokens=8), eos, 1.0)
     assert all(len(o.token_ids) >= 9 or o.finish_reason == "length" for o in ours.outputs)
     # A stop id ends beams as EOS does (HF: one more end id): the best beam's first token, which
     # (with no length normalisation) makes the best hypothesis that one token.
     prompt = tok.encode("def fibonacci(n):\n")
-    (plain,) = _run(engine, [prompt], [_beams(3, 3, 0.0, False, 16)])
+    (plain,) = run_requests(engine, [prompt], [_beams(3, 3, 0.0, False, 16)])
     stop = plain.outputs[0].token_ids[0]
-    (ours,) = _run(engine, [prompt], [_beams(3, 3, 0.0, False, 16, stop_token_ids=[stop])])
+    (ours,) = run_requests(engine, [prompt], [_beams(3, 3, 0.0, False, 16, stop_token_ids=[stop])])
     _check_same(ours, _hf_beams(hf, prompt, [*eos, stop], 3, 3, 0.0, False, 16), [*eos, stop], 0.0)
     assert any(o.stop_reason == stop for o in ours.outputs)
 
@@ -129,10 +122,10 @@ def test_beams_beside_other_requests_and_under_preemption(model, smollm2_tokeniz
     beam = _beams(4, 2, 1.0, False, 32)
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32)
-    alone = [_run(engine, [p], [s], f"alone{i}")[0] for i, (p, s) in enumerate(zip(prompts, [beam, greedy, seeded, beam]))]
-    mixed = _run(engine, prompts, [beam, greedy, seeded, beam], "mixed")
+    alone = [run_requests(engine, [p], [s], f"alone{i}")[0] for i, (p, s) in enumerate(zip(prompts, [beam, greedy, seeded, beam]))]
+    mixed = run_requests(engine, prompts, [beam, greedy, seeded, beam], "mixed")
     small = build_engine(model, smollm2_tokenizer, SMALL)
-    squeezed = _run(small, prompts, [beam, greedy, seeded, beam], "small")
+    squeezed = run_requests(small, prompts, [beam, greedy, seeded, beam], "small")
     assert small.num_preemptions > 0
     for a, m, s in zip(alone, mixed, squeezed):
         assert [o.token_ids for o in m.outputs] == [o.token_ids for o in a.outputs]
@@ -148,7 +141,7 @@ def test_tiny_models_match_hf(name, tmp_path):
     prompts = [[1, 17, 99, 3, 250, 42], [1, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 77], [1, 200]]
     ended = 0
     for setting in SETTINGS:
-        ours = _run(engine, prompts, [_beams(*setting)] * len(prompts), str(setting))
+        ours = run_requests(engine, prompts, [_beams(*setting)] * len(prompts), str(setting))
         for prompt, out in zip(prompts, ours):
             _check_same(out, _hf_beams(hf, prompt, eos, *setting), eos, setting[2])
             ended += sum(o.finish_reason == "stop" for o in out.outputs)
@@ -173,5 +166,5 @@ def test_refused(engine, smollm2_tokenizer):
     with pytest.raises(RequestTooLongError):  # 8 beams of 250 tokens need more than the 95 pages
         engine.add_request("bad", prompt, _beams(8, 1, 1.0, False, 240))
     # temperature 0 or 1 is the model's distribution: accepted
-    (out,) = _run(engine, [prompt], [dataclasses.replace(_beams(2, 1, 1.0, False, 4), temperature=0.0)])
+    (out,) = run_requests(engine, [prompt], [dataclasses.replace(_beams(2, 1, 1.0, False, 4), temperature=0.0)])
     assert len(out.outputs[0].token_ids) == 4 or out.outputs[0].finish_reason == "stop"

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from engine_requests import run_requests
 from smollm2 import smollm2_gguf
 from tiny_models import make_tiny_model
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import Engine, check_speculation, run_to_completion
+from jaxserve.engine.core import check_speculation
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError
 from jaxserve.weights import load_model
@@ -42,13 +43,6 @@ def _plain(params: list[SamplingParams]) -> list[SamplingParams]:
     return [dataclasses.replace(p, num_assistant_tokens=0) for p in params]
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> list:
-    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params):
-        engine.add_request(rid, prompt, p)
-    results = run_to_completion(engine, ids)
-    engine.check_idle_integrity()
-    return [results[r] for r in ids]
 
 
 def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_tokenizer):
@@ -62,8 +56,8 @@ def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_to
               SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=1.3),  # does not speculate
               SamplingParams(temperature=0.0, max_tokens=60)]
     before = engine.num_preemptions
-    ours = _run(engine, prompts, params, "spec")
-    theirs = _run(engine, prompts, _plain(params), "plain")
+    ours = run_requests(engine, prompts, params, "spec")
+    theirs = run_requests(engine, prompts, _plain(params), "plain")
     for a, b in zip(ours, theirs):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
         assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
@@ -81,11 +75,11 @@ def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_to
 def test_per_request_fields(engine, smollm2_tokenizer):
     prompt = smollm2_tokenizer.encode("The capital of France is")
     base = SamplingParams(temperature=0.0, max_tokens=30)
-    (want,) = _run(engine, [prompt], _plain([base]), "p")
-    (two,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=2)], "two")
-    (off,) = _run(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=0)], "off")
-    (sure,) = _run(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.999)], "sure")
-    (any_,) = _run(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.0)], "any")
+    (want,) = run_requests(engine, [prompt], _plain([base]), "p")
+    (two,) = run_requests(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=2)], "two")
+    (off,) = run_requests(engine, [prompt], [dataclasses.replace(base, num_assistant_tokens=0)], "off")
+    (sure,) = run_requests(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.999)], "sure")
+    (any_,) = run_requests(engine, [prompt], [dataclasses.replace(base, assistant_confidence_threshold=0.0)], "any")
     for out in (two, off, sure, any_):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert off.num_draft_tokens == 0
@@ -117,7 +111,7 @@ def test_a_poor_draft_model_changes_nothing(tmp_path):
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=40)]
-    ours, theirs = _run(engine, prompts, params, "t"), _run(engine, prompts, _plain(params), "u")
+    ours, theirs = run_requests(engine, prompts, params, "t"), run_requests(engine, prompts, _plain(params), "u")
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     assert sum(o.num_draft_tokens for o in ours) > 0
     with pytest.raises(ValueError, match="vocabulary"):

@@ -11,10 +11,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_requests import run_requests
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError
 
@@ -49,14 +49,6 @@ def plain(model, smollm2_tokenizer):
         SMALL, scheduler=dataclasses.replace(SMALL.scheduler, speculative_method=None)))
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], prefix: str) -> list:
-    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    each = params if isinstance(params, list) else [params] * len(prompts)
-    for rid, p, sp in zip(ids, prompts, each):
-        engine.add_request(rid, p, sp)
-    results = run_to_completion(engine, ids)
-    engine.check_idle_integrity()
-    return [results[r] for r in ids]
 
 
 def _copy_prompt(tokenizer, text: str = PARAGRAPH) -> list[int]:
@@ -69,12 +61,12 @@ def test_greedy_equals_plain_decoding_under_preemption_and_drafts_are_accepted(e
     prompts = [smollm2_tokenizer.encode(p) for p in
                (short, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", LONG, "def fibonacci(n):\n")]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    expected = [r.outputs[0].token_ids for r in _run(plain, prompts, params, "reference")]
+    expected = [r.outputs[0].token_ids for r in run_requests(plain, prompts, params, "reference")]
     before = engine.num_preemptions
-    first = _run(engine, prompts, params, "greedy")
+    first = run_requests(engine, prompts, params, "greedy")
     assert [r.outputs[0].token_ids for r in first] == expected
     assert engine.num_preemptions > before  # the small page budget forced recompute
-    second = _run(engine, prompts, params, "again")  # prefix-cache hits, drafts again
+    second = run_requests(engine, prompts, params, "again")  # prefix-cache hits, drafts again
     assert [r.outputs[0].token_ids for r in second] == expected
     assert engine.num_accepted_draft_tokens > 0
     for r in first + second:
@@ -90,7 +82,7 @@ def test_copying_is_mostly_accepted_and_takes_fewer_steps(engine, plain, smollm2
     outs = {}
     for name, eng in (("spec", engine), ("plain", plain)):
         before = eng.num_steps
-        outs[name] = _run(eng, [prompt], params, f"copy-{name}")[0]
+        outs[name] = run_requests(eng, [prompt], params, f"copy-{name}")[0]
         steps[name] = eng.num_steps - before
     assert outs["spec"].outputs[0].token_ids == outs["plain"].outputs[0].token_ids
     assert outs["spec"].outputs[0].text.startswith("The old lighthouse stood at the edge of the cliff")
@@ -116,7 +108,7 @@ def test_every_ending_and_non_speculating_rows_equal_the_plain_engine(engine, pl
     for name, eng in (("spec", engine), ("plain", plain)):
         params = [w[1] if eng is engine else dataclasses.replace(w[1], num_assistant_tokens=None, max_ngram_size=None)
                   for w in work]
-        got[name] = _run(eng, [w[0] for w in work], params, f"mix-{name}")
+        got[name] = run_requests(eng, [w[0] for w in work], params, f"mix-{name}")
     for i, (s, p) in enumerate(zip(got["spec"], got["plain"])):
         a, b = s.outputs[0], p.outputs[0]
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
@@ -134,8 +126,8 @@ def test_every_ending_and_non_speculating_rows_equal_the_plain_engine(engine, pl
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine, smollm2_tokenizer):
     prompt = _copy_prompt(smollm2_tokenizer)
     seeded = SamplingParams(temperature=0.8, max_tokens=30, seed=1234, ignore_eos=True)
-    alone = _run(engine, [prompt], seeded, "s1")[0]
-    crowd = _run(engine, [prompt, smollm2_tokenizer.encode("Once upon a time")], seeded, "s2")[0]
+    alone = run_requests(engine, [prompt], seeded, "s1")[0]
+    crowd = run_requests(engine, [prompt, smollm2_tokenizer.encode("Once upon a time")], seeded, "s2")[0]
     assert alone.outputs[0].token_ids == crowd.outputs[0].token_ids
     assert alone.num_accepted_draft_tokens > 0  # a low temperature copy still keeps drafts
 
@@ -163,7 +155,7 @@ def test_seeded_samples_are_the_draws_of_plain_decoding(engine, plain, smollm2_t
     prompt = _copy_prompt(smollm2_tokenizer)
     work = [SamplingParams(temperature=t, top_p=p, max_tokens=24, n=2, seed=100 + i, ignore_eos=True)
             for i, (t, p) in enumerate([(0.7, 1.0), (1.0, 1.0), (1.0, 0.9), (0.4, 1.0)])]
-    got = {name: _run(eng, [prompt] * len(work), work, f"draws-{name}") for name, eng in
+    got = {name: run_requests(eng, [prompt] * len(work), work, f"draws-{name}") for name, eng in
            (("spec", engine), ("plain", plain))}
     for s, p in zip(got["spec"], got["plain"]):
         assert [o.token_ids for o in s.outputs] == [o.token_ids for o in p.outputs]
