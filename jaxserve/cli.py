@@ -27,6 +27,7 @@ from jaxserve.config import (
     StructuredOutputConfig,
     default_cache_dir,
 )
+from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -221,6 +222,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compilation "
                    "cache (under --cache-dir/xla); every start then compiles every step shape from scratch")
 
+    mm = p.add_argument_group("images and embeddings (vision-language models; prompt embeddings)")
+    mm.add_argument("--allowed-local-media-path", type=Path, default=None, metavar="DIR",
+                    help="let requests name image files under DIR (SGLang's image_data file names, file:// URLs); "
+                         "off by default: a request never reads the server's files")
+    mm.add_argument("--allow-remote-media", action="store_true",
+                    help="let requests name http(s) image URLs, which the server then fetches (redirects only to "
+                         "http(s)); off by default: inline images (data URLs, base64) only")
+    mm.add_argument("--max-image-pixels", type=int, default=4096 * 4096, metavar="N",
+                    help="largest image accepted, in pixels (width x height, read before decoding)")
+    mm.add_argument("--max-image-bytes", type=int, default=20 * 2**20, metavar="N",
+                    help="largest encoded image accepted, in bytes (inline, file or download)")
+    mm.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="longest a remote image download may take")
+    mm.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
+                    help='most images per request, as vLLM spells it: \'{"image": 16}\' (the default)')
+    mm.add_argument("--enable-prompt-embeds", action="store_true",
+                    help="take prompts as embeddings (SGLang's input_embeds, vLLM's prompt_embeds); prefill steps "
+                         "then carry a [tokens, hidden] buffer")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="number of local devices to "
                      "shard the model over (at most this host's device count): attention heads, MLP hidden and "
@@ -395,7 +414,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if not 0 < args.kv_cache_memory_fraction <= 1:
         raise ConfigError(f"--kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
     cache_dir = args.cache_dir or default_cache_dir()
+    media = _media_policy(args)
     return Config(
+        media=media,
         model=ModelConfig(
             model=model,
             served_model_name=names[0],
@@ -413,6 +434,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             hf_overrides=args.hf_overrides,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
+            enable_prompt_embeds=args.enable_prompt_embeds,
         ),
         cache=CacheConfig(
             page_size=args.page_size,
@@ -454,6 +476,28 @@ def config_from_args(args: argparse.Namespace) -> Config:
             ),
         ),
     )
+
+
+def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+    limits = args.limit_mm_per_prompt or {}
+    unknown = sorted(set(limits) - {"image"})
+    if unknown:
+        raise ConfigError(f"--limit-mm-per-prompt: only images are taken as input; got {unknown}")
+    max_images = limits.get("image", MediaPolicy.max_images)
+    if not isinstance(max_images, int) or isinstance(max_images, bool) or max_images < 0:
+        raise ConfigError(f"--limit-mm-per-prompt: the image limit must be an integer >= 0, got {max_images!r}")
+    for flag in ("max_image_pixels", "max_image_bytes"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.media_fetch_timeout <= 0:
+        raise ConfigError(f"--media-fetch-timeout must be > 0 seconds, got {args.media_fetch_timeout}")
+    local = args.allowed_local_media_path
+    if local is not None and not Path(local).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {local} is not a directory")
+    return MediaPolicy(allowed_local_media_path=Path(local).resolve() if local is not None else None,
+                       allow_remote_media=args.allow_remote_media, max_image_pixels=args.max_image_pixels,
+                       max_image_bytes=args.max_image_bytes, fetch_timeout_s=args.media_fetch_timeout,
+                       max_images=max_images)
 
 
 def _name_of(model: str) -> str:
@@ -539,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxserve.server.app import create_app
     from jaxserve.server.loading import serve_while_loading
     from jaxserve.server.model_names import served_names
-    from jaxserve.startup import start_engine
+    from jaxserve.startup import image_input, start_engine
 
     if config.parallel.distributed.enabled:
         from jaxserve.parallel import multihost
@@ -568,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         srv = config.server
         return create_app(engines[0], engine.tokenizer, served_names(config),
                           engine.info.max_model_len, api_keys=srv.api_keys,
+                          images=image_input(config, engine),
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
                           structured=srv.structured, warm_structured=True,

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxserve.multimodal.media import MediaPolicy
+
 
 def default_cache_dir() -> Path:
     """Weight, tokenizer and compilation caches live here unless --cache-dir says otherwise."""
@@ -35,6 +37,7 @@ class ModelConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (jaxserve.models.products; auto: a GGUF's own blocks)
     quantization_group_size: int = 32  # int4's rows per group (32 | 64 | 128)
     speculative_model: str | None = None  # a draft model (HF directory or .gguf) sharing the tokenizer
+    enable_prompt_embeds: bool = False  # take embeddings as prompts (input_embeds / prompt_embeds)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -126,6 +129,8 @@ class Config:
     server: ServerConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Where images may come from and how large (vision-language models; jaxserve.multimodal.media).
+    media: MediaPolicy = MediaPolicy()
     compilation_cache_dir: Path | None = None
     attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)
     matmul_backend: str = "auto"  # auto | xla | cpu (jaxserve.models.products.resolve_backend)

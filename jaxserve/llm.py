@@ -26,7 +26,7 @@ from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
-from jaxserve.startup import start_classify_engine, start_engine
+from jaxserve.startup import image_input, start_classify_engine, start_engine
 from jaxserve.structured import spec as guide
 from jaxserve.structured.matcher import Grammar
 from jaxserve.tokenizer import Tokenizer
@@ -34,7 +34,8 @@ from jaxserve.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from jaxserve.models.classifier import Classifier
 
-# Text, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [ids]}.
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [ids]}, either
+# with "multi_modal_data": {"image": a PIL image or a list}, or {"prompt_embeds": [tokens, hidden]}.
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]  # {"role": ..., "content": ...}, as the chat completions API takes them
 
@@ -150,6 +151,7 @@ class LLM:
         quantization: str = "auto",
         quantization_group_size: int = 32,
         speculative_config: dict[str, Any] | None = None,
+        enable_prompt_embeds: bool = False,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -165,7 +167,8 @@ class LLM:
         --speculative-method ngram --num-speculative-tokens 5 --max-ngram-size 3 (and
         "prompt_lookup_min": the shortest match drafted from, 1 by default), or for a draft model
         {"model": PATH, "num_speculative_tokens": 5} ("method": "draft_model" optional), as
-        --speculative-model PATH."""
+        --speculative-model PATH. enable_prompt_embeds: take {"prompt_embeds": array} prompts, as
+        vLLM's (and --enable-prompt-embeds)."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -179,7 +182,8 @@ class LLM:
                               cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,
                               quantization=quantization, quantization_group_size=quantization_group_size,
                               prompt_special_tokens=prompt_special_tokens,
-                              speculative_model=(speculative_config or {}).get("model")),
+                              speculative_model=(speculative_config or {}).get("model"),
+                              enable_prompt_embeds=enable_prompt_embeds),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
@@ -192,8 +196,10 @@ class LLM:
         )
         self.task = _resolve_task(config)
         self.skip_tokenizer_init = skip_tokenizer_init
+        self.images = None  # a vision-language model's image input (jaxserve.multimodal.images)
         if self.task == "generate":
             self.engine, self.tokenizer, self.compile_seconds = _start_generate(config, skip_tokenizer_init)
+            self.images = image_input(config, self.engine)
         else:
             self.engine, self.tokenizer, self.compile_seconds = _start_pooling(config, self.task, skip_tokenizer_init)
         self._ids = itertools.count()
@@ -255,7 +261,39 @@ class LLM:
         """Generate for every prompt (text, token ids, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": [...]} dicts); outputs come back in prompt order."""
         self._require_task("generate", "LLM.generate")
-        return self._run([self._prompt_ids(p) for p in _prompt_list(prompts)], sampling_params, use_tqdm)
+        prompts = _prompt_list(prompts)
+        inputs = [self._prompt_inputs(p) for p in prompts]
+        return self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs])
+
+    def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], dict[str, Any]]:
+        """A prompt's token ids and what add_request takes besides: its images (vLLM's
+        multi_modal_data) or its embeddings (prompt_embeds)."""
+        if not isinstance(prompt, dict) or not ({"multi_modal_data", "prompt_embeds"} & set(prompt)):
+            return self._prompt_ids(prompt), {}
+        if "prompt_embeds" in prompt:
+            import numpy as np
+
+            from jaxserve.server.embed_inputs import embedded_prompt
+
+            if set(prompt) != {"prompt_embeds"}:
+                raise ValueError(f"a prompt_embeds prompt holds nothing else; got keys {sorted(prompt)}")
+            if not self.engine.info.embed_dim:
+                raise ValueError("prompt_embeds needs LLM(..., enable_prompt_embeds=True)")
+            embeds = np.asarray(prompt["prompt_embeds"].float() if hasattr(prompt["prompt_embeds"], "float")
+                                else prompt["prompt_embeds"], np.float32)
+            ids, spans = embedded_prompt(embeds, self.engine.info, "prompt_embeds")
+            return ids, {"embeds": spans}
+        data = dict(prompt["multi_modal_data"])
+        if set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data: only images are taken; got {sorted(data)}")
+        if self.images is None:
+            raise ValueError(f"multi_modal_data: {self.engine.info.architecture} takes no images (a text-only model)")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        ids = self._prompt_ids({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        prepared = [self.images.prepare_image(image, len(images) > 1) for image in images]
+        ids, items = self.images.expand(ids, prepared, "multi_modal_data")
+        return ids, {"images": items}
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -366,15 +404,15 @@ class LLM:
                              f"use {use}, or start an LLM with task={task!r} on a model that supports it")
 
     def _run(self, prompts: list[list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, extras: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         order: list[str] = []
-        for ids, p in zip(prompts, per_prompt):
+        for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, dataclasses.replace(p))
+            self.engine.add_request(request_id, ids, dataclasses.replace(p), **(extras[i] if extras else {}))
             order.append(request_id)
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or None) as bar:
             results = run_to_completion(self.engine, order, on_finished=lambda _: bar.update(1))

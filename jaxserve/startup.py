@@ -25,6 +25,8 @@ log = logging.getLogger("jaxserve")
 if TYPE_CHECKING:
     from jaxserve.engine.classify import ClassifyEngine
     from jaxserve.engine.core import Engine
+    from jaxserve.engine.core import ImageEncoder
+    from jaxserve.multimodal.images import ImageSupport
     from jaxserve.weights.classifier_loader import LoadedClassifier
 
 
@@ -201,14 +203,74 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                  scheduler.max_ngram_size)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
-                                 quantization=quantization, quantization_group=group)
+                                 quantization=quantization, quantization_group=group,
+                                 enable_prompt_embeds=config.model.enable_prompt_embeds)
+    encoder = vision_encoder(ready.loaded, config.model.load_format)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
-                          eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft)
+                          eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft, encoder=encoder)
     loaded = time.perf_counter()
     compile_engine(engine)
+    if encoder is not None:
+        encoder.compile()
     done = time.perf_counter()
     return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}
+
+
+def vision_encoder(loaded: LoadedModel, load_format: str = "auto") -> "ImageEncoder | None":
+    """A vision-language checkpoint's image encoder (its vision side, in the language model's
+    dtype), None for a text-only model."""
+    from jaxserve.models.config import VISION_LANGUAGE_ARCHITECTURES
+
+    config = loaded.source.config
+    archs = config.get("architectures") or []
+    if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("vision-language models run on one host only (for now)")
+    if "Qwen2_5_VLForConditionalGeneration" in archs:
+        return _qwen_vl_encoder(loaded, load_format)
+    from jaxserve.engine.vision_encoder import LlavaEncoder
+    from jaxserve.models.vision import vision_config_from_hf
+    from jaxserve.weights.vision_loader import load_vision, random_vision
+
+    cfg = vision_config_from_hf(config)
+    model = (random_vision(cfg, loaded.dtype) if load_format == "dummy"
+             else load_vision(loaded.source, cfg, loaded.dtype))
+    log.info("vision: %s tower, %d layers, %d-pixel tiles of %d tokens", cfg.tower, cfg.num_layers_used,
+             cfg.image_size, cfg.tokens_per_tile)
+    return LlavaEncoder(model)
+
+
+def _qwen_vl_encoder(loaded: LoadedModel, load_format: str) -> "ImageEncoder":
+    from jaxserve.engine.vision_encoder import QwenVLEncoder
+    from jaxserve.multimodal.qwen2_vl_processing import Qwen2VLImageProcessor
+    from jaxserve.weights.qwen2_vl_vision_loader import load_vision_model
+
+    if load_format == "dummy":
+        raise ValueError("--load-format dummy: random weights for Qwen2.5-VL's vision encoder are not built yet")
+    source = loaded.source
+    path = source.path / "preprocessor_config.json"
+    processor = Qwen2VLImageProcessor.from_hf(json.loads(path.read_text()) if path.is_file() else {}, source.config)
+    vision = load_vision_model(source, loaded.dtype)
+    cfg = vision.config
+    max_patches = processor.max_pixels // processor.patch_size**2
+    log.info("vision: Qwen2.5-VL encoder, %d blocks, images of up to %d patches (%d tokens)", cfg.depth,
+             max_patches, max_patches // cfg.merge_unit)
+    return QwenVLEncoder(vision.model, int(source.config.get("image_token_id", 151655)), max_patches)
+
+
+def image_input(config: Config, engine: "Engine") -> "ImageSupport | None":
+    """The server's side of a vision-language model's images: where they may come from
+    (config.media) and the model's image processor; None for a text-only model."""
+    if not engine.info.accepts_images:
+        return None
+    from jaxserve.multimodal.images import image_support
+    from jaxserve.weights.source import resolve
+
+    source = resolve(config.model.model, weights=False, overrides=config.model.hf_overrides)
+    hf = engine.tokenizer.hf if engine.tokenizer is not None else None
+    return image_support(source.path, source.config, hf, config.media)
 
 
 def start_classify_engine(config: Config, task: str = "classify", default_max_model_len: int | None = None,

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -44,11 +46,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %} ... {% endgeneration %}` (it marks assistant text for training masks;
+    vision-language templates such as LLaVA's use it): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # Same options HF uses for chat templates, so templates render identically; the sandbox stops
     # a template (which comes from a checkpoint or a request) from reaching Python internals.
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag],
+        undefined=jinja2.Undefined,
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -229,7 +244,7 @@ def load_tokenizer(
                              "checkpoint's tokenizer files, or run on token ids with "
                              "jaxserve.LLM(..., skip_tokenizer_init=True)")
         hf = AutoTokenizer.from_pretrained(directory)
-        embedded = None
+        embedded = None if getattr(hf, "chat_template", None) else _processor_template(Path(directory))
     else:
         path = Path(directory) / gguf_file
         cached = _gguf_tokenizer_cache(path, cache_dir)
@@ -252,6 +267,17 @@ def load_tokenizer(
     if chat_template and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     return Tokenizer(hf, chat_template or embedded or getattr(hf, "chat_template", None), prompt_special_tokens)
+
+
+def _processor_template(directory: Path) -> str | None:
+    """A vision-language checkpoint's chat template, which its processor keeps beside the
+    tokenizer (chat_template.jinja, or chat_template.json's "chat_template")."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    if (directory / "chat_template.json").is_file():
+        template = json.loads((directory / "chat_template.json").read_text()).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 _GGUF_META_FILE = "gguf_tokenizer_meta.json"

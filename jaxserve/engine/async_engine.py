@@ -9,9 +9,11 @@ the request inside the engine before its next step.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import AsyncIterator
 
 from jaxserve.engine.core import Engine
+from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.engine_thread import EngineDeadError, EngineThread, log, post
 from jaxserve.engine.output import RequestOutput
@@ -31,15 +33,18 @@ class AsyncEngine(EngineThread):
 
     # ---- event-loop side -------------------------------------------------------------------------
     async def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+        images: Sequence[ImageItem] = (), embeds: Sequence[EmbedSpan] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate its output deltas. Validation errors raise here, before the
         first delta (InvalidRequestError / RequestTooLongError); EngineDeadError once the engine
-        thread has stopped."""
+        thread has stopped. images / embeds: Engine.add_request's (the images are encoded on the
+        engine thread, which owns the device)."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
-        self._send(("add", request_id, prompt_ids, params, priority, loop, deltas, accepted))
+        inputs = {"images": images, "embeds": embeds} if images or embeds else {}
+        self._send(("add", request_id, prompt_ids, params, priority, loop, deltas, accepted, inputs))
         await accepted  # raises the validation error, if any
         return self._iterate(request_id, deltas)
 
@@ -91,9 +96,9 @@ class AsyncEngine(EngineThread):
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, prompt_ids, params, priority, loop, deltas, accepted = command
+            _, request_id, prompt_ids, params, priority, loop, deltas, accepted, inputs = command
             try:
-                self.engine.add_request(request_id, prompt_ids, params, priority)
+                self.engine.add_request(request_id, prompt_ids, params, priority, **inputs)
             except Exception as e:  # validation errors go back to the caller
                 post(loop, accepted, e)
                 return

@@ -14,11 +14,12 @@ from typing import Any, Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.buckets import BucketTable
-from jaxserve.engine.core import Engine
+from jaxserve.engine.core import Engine, ImageEncoder
 from jaxserve.engine.drafting import DraftingRunner
 from jaxserve.engine.info import EngineInfo
 from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
@@ -49,6 +50,9 @@ class EngineConfig:
     # step to the end before the next starts (same tokens and text, for measuring the overlap).
     overlap: bool = True
     check_integrity: bool = True  # check the scheduler's invariants whenever the engine goes idle
+    # Take client embeddings as prompt input (SGLang's input_embeds, vLLM's prompt_embeds and its
+    # --enable-prompt-embeds): prefill steps then carry a [tokens, hidden] buffer.
+    enable_prompt_embeds: bool = False
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -61,7 +65,8 @@ def enable_compilation_cache(directory: Path) -> None:
 
 def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
                  compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = (),
-                 blocks: Callable[[tuple], Any] | None = None, draft: Decoder | None = None) -> Engine:
+                 blocks: Callable[[tuple], Any] | None = None, draft: Decoder | None = None,
+                 encoder: ImageEncoder | None = None) -> Engine:
     """A ready engine for `decoder` (compiled for every command shape unless compile=False; then
     call `compile_engine`). take_weights: the engine may free `decoder`'s weight buffers where it
     keeps them in another layout (the CPU kernel's), so start-up never holds two copies of the
@@ -70,16 +75,20 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     at config.json's EOS ids, the tokenizer's, and `eos_ids` (generation_config.json's). blocks:
     the checkpoint's stored blocks for quantization "gguf" (jaxserve.weights.loader.stored_blocks).
     draft: the draft model of speculative decoding (config.scheduler.speculative_method "draft";
-    jaxserve.engine.drafting)."""
+    jaxserve.engine.drafting). encoder: a vision-language model's image encoder
+    (jaxserve.engine.vision_encoder)."""
     cfg = decoder.cfg
     config = _drafting_config(decoder, config, draft)
+    if draft is not None and (encoder is not None or config.enable_prompt_embeds):
+        raise ValueError("a draft model does not run on embedding inputs (images, prompt embeds): speculative "
+                         "decoding with a draft model is for text-only models")
     sched = config.scheduler
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
-    builder = _input_builder(decoder, config, eos_ids)
+    builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds)
     reserve = 0
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
         reserve = step_scratch_bytes(decoder, config, blocks)
@@ -93,6 +102,9 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
             quantization=config.quantization if config.quantization in ("int8", "int4") else "none")
         runner = DraftingRunner(runner, _runner(draft, drafting, num_pages, take_weights))
     if jax.process_count() > 1:
+        if encoder is not None:
+            # The encoder runs on process 0's devices only; its outputs would have to reach the others.
+            raise ValueError("vision-language models run on one host only (for now)")
         # Multi-host: process 0 sends every command to the others (jaxserve.parallel.multihost).
         runner.channel = StepChannel(builder.keys(), builder.abstract)
     page_size = config.cache.page_size
@@ -105,9 +117,12 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       max_ngram_size=sched.max_ngram_size if sched.speculative_method == "ngram" else 0,
                       default_assistant_tokens=sched.default_assistant_tokens if sched.speculative_method else None,
                       default_confidence_threshold=(sched.default_confidence_threshold
-                                                    if sched.speculative_method == "draft" else None))
+                                                    if sched.speculative_method == "draft" else None),
+                      embed_dim=cfg.hidden_size if config.enable_prompt_embeds else 0,
+                      accepts_images=encoder is not None)
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
+    engine.encoder = encoder
     if config.check_integrity:
         engine.on_idle = engine.check_idle_integrity
     if compile:
@@ -136,9 +151,12 @@ def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | No
     return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
 
 
-def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> StepInputBuilder:
+def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = (),
+                   takes_embeds: bool = False) -> StepInputBuilder:
     sched = config.scheduler
     return StepInputBuilder(
+        embed_dim=decoder.cfg.hidden_size if takes_embeds else 0, embed_dtype=np.dtype(decoder.dtype),
+        mrope=bool(decoder.cfg.mrope_section),
         num_slots=sched.max_num_seqs + 1,  # + the padding rows' slot
         vocab_size=decoder.cfg.vocab_size, page_size=config.cache.page_size,
         max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),

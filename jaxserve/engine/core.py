@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from jaxserve.engine.beam import BeamSearch, max_beam_width
+from jaxserve.engine.embeds import EmbedSpan, ImageItem, cache_ids, check_spans
 from jaxserve.engine.info import EngineInfo, Stats
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
@@ -30,6 +31,19 @@ from jaxserve.engine.step_inputs import PromptTargets, StepCommands, StepInputBu
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.engine")
+
+
+class ImageEncoder(Protocol):
+    """A vision model's encoder (jaxserve.engine.vision_encoder): an image's embeddings, one row per
+    placeholder token ([item.num_tokens, hidden], NumPy)."""
+
+    image_token_id: int  # the placeholder token an image's positions hold
+
+    def encode(self, item: ImageItem) -> Any: ...
+
+    def rope_positions(self, prompt_ids: list[int], images: list[ImageItem]) -> tuple[Any, int]:
+        """An M-RoPE model's prompt positions [3, len] and the delta later tokens take."""
+        ...
 
 
 class Runner(Protocol):
@@ -74,13 +88,19 @@ class Engine:
         self.compile_seconds: dict[Any, float] = {}  # per compiled command shape (jaxserve.engine.build)
         self._in_flight: _InFlight | None = None
         self._beam_results: list[RequestOutput] = []  # beam searches that ended, not returned yet
+        self.encoder: ImageEncoder | None = None  # a vision model's (jaxserve.engine.vision_encoder)
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Validate and queue. Raises InvalidRequestError (bad parameter) or RequestTooLongError."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                    images: Iterable[ImageItem] = (), embeds: Iterable[EmbedSpan] = ()) -> None:
+        """Validate and queue. Raises InvalidRequestError (bad parameter) or RequestTooLongError.
+        images: the prompt's images, encoded here by the vision encoder; embeds: client
+        embeddings at given prompt positions (jaxserve.engine.embeds)."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         validate_prompt(prompt_ids, self.info.vocab_size)
+        images, embeds = list(images), list(embeds)
+        self._check_inputs(prompt_ids, images, embeds)
         params.validate(self.info.vocab_size, self.info.max_n)
         params = speculation_defaults(params, self.info)
         check_speculation(params, self.info)
@@ -94,13 +114,18 @@ class Engine:
             raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")
         max_total = self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
         group = self._beam_search(len(prompt_ids), max_total, params) if params.use_beam_search else None
+        # Only a request that will run gets its images encoded (on this thread, which owns the device).
+        spans = self._embed_spans(prompt_ids, images, embeds)
+        rope, delta = self.encoder.rope_positions(prompt_ids, images) if self.builder.mrope and images else (None, 0)
         base_seed = params.seed if params.seed is not None else secrets.randbits(32)
         seqs, texts = [], []
         for i in range(1 if group is not None else params.num_samples):
             seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
                            params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
                            seed=(base_seed + i) % 2**32,
-                           matcher=params.grammar.matcher() if params.grammar is not None else None, beam=group)
+                           matcher=params.grammar.matcher() if params.grammar is not None else None, beam=group,
+                           embeds=spans, prompt_keys=cache_ids(prompt_ids, spans) if spans else None,
+                           rope_positions=rope, rope_delta=delta)
             if group is not None:
                 self.scheduler.start_beams(group, seq)
             seqs.append(seq)
@@ -112,6 +137,44 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
         self._publish()
+
+    def _check_inputs(self, prompt_ids: list[int], images: list[ImageItem], embeds: list[EmbedSpan]) -> None:
+        """Images only for a vision model, embeddings only when enabled, and on a vision model every
+        image placeholder token inside an image's span: a placeholder without its image would
+        be read as the placeholder's own embedding (every route and `LLM` pass here)."""
+        if images and self.encoder is None:
+            raise InvalidRequestError("image", f"{self.info.architecture} takes no images (a text-only model)")
+        if embeds and not self.info.embed_dim:
+            raise InvalidRequestError("input_embeds", "this server takes no embeddings as input; start it with "
+                                      "--enable-prompt-embeds")
+        if self.encoder is None:
+            return
+        token = self.encoder.image_token_id
+        covered = {p for item in images for p in range(item.offset, item.offset + item.num_tokens)}
+        covered |= {p for span in embeds for p in range(span.offset, span.end)}
+        stray = next((p for p, t in enumerate(prompt_ids) if t == token and p not in covered), None)
+        if stray is not None:
+            raise InvalidRequestError("prompt", f"token {stray} is the image placeholder ({token}) but no image goes "
+                                      "there: send the image with the prompt (image_url / image_data / "
+                                      "multi_modal_data), one per placeholder")
+
+    def _embed_spans(self, prompt_ids: list[int], images: list[ImageItem],
+                     embeds: list[EmbedSpan]) -> tuple[EmbedSpan, ...]:
+        """The prompt's embedding spans in position order: its images encoded (or taken from the
+        encoder's cache) and the client's embeddings, checked against the prompt."""
+        spans = list(embeds)
+        for item in images:
+            encoded = self.encoder.encode(item)
+            if encoded.shape[0] != item.num_tokens:  # the processor's count and the model's packing disagree
+                raise RuntimeError(f"the vision encoder gave {encoded.shape[0]} embeddings for an image of "
+                                   f"{item.num_tokens} placeholder tokens")
+            spans.append(EmbedSpan(item.offset, encoded, item.key))
+        spans.sort(key=lambda span: span.offset)
+        try:
+            check_spans(spans, len(prompt_ids), self.builder.embed_dim)
+        except ValueError as e:
+            raise InvalidRequestError("input_embeds" if embeds else "image", str(e)) from None
+        return tuple(spans)
 
     def _beam_search(self, num_prompt_tokens: int, max_total: int, params: SamplingParams) -> BeamSearch:
         """A beam request's search state, or InvalidRequestError / RequestTooLongError when its beams

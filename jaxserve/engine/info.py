@@ -31,6 +31,10 @@ class EngineInfo:
     # (the deployment's defaults: generation_config.json, as OVMS reads it).
     default_assistant_tokens: int | None = None
     default_confidence_threshold: float | None = None
+    # Embedding inputs (jaxserve.engine.embeds): the hidden size client embeddings must have (0: the
+    # server takes none: --enable-prompt-embeds is off), and whether a vision encoder takes images.
+    embed_dim: int = 0
+    accepts_images: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

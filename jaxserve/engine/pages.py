@@ -194,7 +194,7 @@ class PageAllocator:
         size = self.page_size
         for i in range(first, num_full):
             page = seq.pages[i]
-            key = page_hash(parent, seq.token_ids[i * size : (i + 1) * size])
+            key = page_hash(parent, seq.cache_keys(i * size, (i + 1) * size))
             self._page_hash[page] = key
             # Two sequences that computed the same prefix at once both register; the first page
             # stays the one that is found, the other returns to the free list when released.

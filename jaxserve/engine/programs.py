@@ -154,20 +154,30 @@ class StepPrograms:
 
     def _forward(self, model: Decoder, kv: KVCache, tokens: jax.Array, positions: jax.Array, kv_slots: jax.Array,
                  page_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-                 decode: bool) -> tuple[jax.Array, KVCache]:
-        """The model over one row of [t] tokens attending through the paged cache: hidden [t, H]."""
+                 decode: bool, embeds: tuple[jax.Array, jax.Array] | None = None,
+                 rope: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """The model over one row of [t] tokens attending through the paged cache: hidden [t, H].
+        embeds: ([t, H] values, [t] mask) replacing token embeddings (Decoder.hidden_states);
+        rope: an M-RoPE model's [t, 3] rotary positions."""
         t = tokens.shape[0]
         if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens
             pad = self.min_rows - t
             tokens, positions = jnp.pad(tokens, (0, pad)), jnp.pad(positions, (0, pad))
             kv_slots = jnp.pad(kv_slots, (0, pad), constant_values=-1)
+            if embeds is not None:
+                embeds = (jnp.pad(embeds[0], ((0, pad), (0, 0))), jnp.pad(embeds[1], (0, pad)))
+            if rope is not None:
+                rope = jnp.pad(rope, ((0, pad), (0, 0)))
         attend = attention.paged_attention(
             kv_slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=self.cfg.scale,
             softcap=self.cfg.attn_logit_softcap, backend=self.attention_backend,
             # A one-token step padded to min_rows tokens still takes the decode kernel (on its rows).
             decode=decode, cache_sharding=self.kv_sharding,
         )
-        hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv)
+        if embeds is not None:
+            embeds = (embeds[0][None], embeds[1][None])
+        hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv, embeds,
+                                         None if rope is None else rope[None])
         return hidden[0, :t], kv
 
     def _logits(self, model: Decoder, rows: jax.Array) -> jax.Array:
@@ -186,8 +196,10 @@ class StepPrograms:
         valid = jnp.arange(t) < cu[inp["num_seqs"]]
         row_slots = inp["row_slots"]
         kv_slots = device_batch.page_slots(batch, row_slots[token_row], inp["positions"], valid, self.page_size)
+        embeds = (inp["embeds"], inp["embedded"]) if "embeds" in inp else None
         hidden, kv = self._forward(model, kv, inp["tokens"], inp["positions"], kv_slots,
-                                   batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False)
+                                   batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False, embeds,
+                                   inp.get("rope_positions"))
         return hidden, kv, token_row
 
     def _prefill_fn(self, params: list[Any], kv: KVCache, batch: DeviceBatch,
@@ -223,8 +235,10 @@ class StepPrograms:
             j, kv, batch, tokens, positions, steps, active, outs, num_sampled = carry
             kv_slots = device_batch.page_slots(batch, row_slots, positions, active, self.page_size)
             lengths = jnp.where(active, positions + 1, 0)
+            # An M-RoPE model's generated tokens sit at index + the row's delta on all three axes.
+            rope = jnp.repeat((positions + inp["rope_delta"])[:, None], 3, axis=1) if "rope_delta" in inp else None
             hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, page_tables, cu, lengths,
-                                       inp["num_seqs"], True)
+                                       inp["num_seqs"], True, rope=rope)
             sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, row_slots, steps))
             batch = device_batch.record_tokens(batch, row_slots, sampled.token, active)
             # (min_logprob: a draft model's loop ends a row at a draft below its confidence threshold.)

@@ -17,6 +17,7 @@ from jaxserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from jaxserve.engine.beam import BeamSearch
+    from jaxserve.engine.embeds import EmbedSpan
     from jaxserve.engine.ngram import NgramDrafter
     from jaxserve.structured.matcher import Grammar, Matcher
 
@@ -224,6 +225,14 @@ class Sequence:
     num_accepted_draft_tokens: int = 0  # of which verify steps accepted
     slot: int | None = None  # its row of the device batch while running (the scheduler's)
     beam: "BeamSearch | None" = None  # the beam search it is a beam of (jaxserve.engine.beam)
+    # Prompt positions whose input is an embedding (images, input_embeds), and the prompt's
+    # prefix-cache keys that go with them (jaxserve.engine.embeds.cache_ids; None: the token ids).
+    embeds: "tuple[EmbedSpan, ...]" = ()
+    prompt_keys: list[int] | None = None
+    # An M-RoPE model's prompt positions ([3, prompt tokens]: temporal, height, width; None: each
+    # axis at the token's index) and the offset every later token's position takes (index + delta).
+    rope_positions: Any = None
+    rope_delta: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -240,6 +249,21 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys its pages by: the token ids, with embedded positions keyed
+        by their content."""
+        if self.prompt_keys is None:
+            return self.token_ids
+        return self.prompt_keys + self.token_ids[self.num_prompt_tokens:]
+
+    def cache_keys(self, start: int, end: int) -> list[int]:
+        """cache_ids[start:end], without building the whole list."""
+        if self.prompt_keys is None:
+            return self.token_ids[start:end]
+        cut = self.num_prompt_tokens
+        return self.prompt_keys[start:min(end, cut)] + self.token_ids[max(start, cut):end]
 
     @property
     def is_finished(self) -> bool:

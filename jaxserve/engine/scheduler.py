@@ -342,8 +342,8 @@ class Scheduler:
         positions must be computed, not served from the cache."""
         params = seq.params
         if params.prompt_logprobs is not None and seq.sample_index == 0 and seq.num_preemptions == 0:
-            return seq.token_ids[: max(params.prompt_logprobs_start, 1)]
-        return seq.token_ids
+            return seq.cache_ids[: max(params.prompt_logprobs_start, 1)]
+        return seq.cache_ids
 
     def _slots_needed(self, seq: Sequence) -> int:
         """Free slots admitting `seq` takes: a beam request reserves all of its beams' at once."""
@@ -544,7 +544,9 @@ class Scheduler:
         # Same arrival and priority: the request's beams stay together in the scheduling order.
         seq = Sequence(request_id=parent.request_id, token_ids=[], num_prompt_tokens=parent.num_prompt_tokens,
                        params=parent.params, max_total_tokens=parent.max_total_tokens, priority=parent.priority,
-                       arrival=parent.arrival, sample_index=index, seed=parent.seed, beam=group)
+                       arrival=parent.arrival, sample_index=index, seed=parent.seed, beam=group,
+                       embeds=parent.embeds, prompt_keys=parent.prompt_keys, rope_positions=parent.rope_positions,
+                       rope_delta=parent.rope_delta)
         if running:
             seq.status = SequenceStatus.RUNNING
             seq.slot = group.spare_slots.pop()

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from jaxserve.engine.buckets import BucketTable, powers_of_two
+from jaxserve.engine.embeds import fill_chunk
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.rows import MAX_BANNED_IDS, ROW_ARRAYS, RowParams, current_bans, mask_words, pack_rows
 from jaxserve.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -97,6 +98,9 @@ class StepInputBuilder:
         row_params: Callable[[Sequence], RowParams],
         num_speculative_tokens: int = 0,
         draft_model: bool = False,
+        embed_dim: int = 0,
+        embed_dtype: np.dtype = np.dtype(np.float32),
+        mrope: bool = False,
     ):
         self.num_slots = num_slots  # including the padding slot num_slots - 1
         self.vocab_size = vocab_size
@@ -108,6 +112,12 @@ class StepInputBuilder:
         self.row_params = row_params
         self.num_speculative_tokens = num_speculative_tokens  # verify steps are compiled when > 0
         self.draft_model = draft_model  # drafts come from a draft model's decode loop
+        # > 0: prefill steps carry an embedding per token (images, input_embeds: jaxserve.engine.embeds)
+        self.embed_dim = embed_dim
+        self.embed_dtype = np.dtype(embed_dtype)
+        # M-RoPE (Qwen2.5-VL): ragged steps carry each token's 3-axis rotary positions, decode steps
+        # each row's offset from its index.
+        self.mrope = mrope
         self.row_sizes = powers_of_two(1, num_slots - 1)
         self._synced = [0] * num_slots  # page-table entries the device has, per slot
 
@@ -162,7 +172,10 @@ class StepInputBuilder:
         pages = {"page_slots": ((u,), i32), "page_index": ((u,), i32), "page_ids": ((u,), i32)}
         if kind == "prefill":
             _, t, s = key
-            return pages | {
+            # A server that takes embeddings sends a [T, hidden] buffer with every prefill step
+            # (the host-to-device copy costs less than compiling each step twice, with and without).
+            embeds = {"embeds": ((t, self.embed_dim), self.embed_dtype), "embedded": ((t,), np.dtype(bool))}
+            return pages | (embeds if self.embed_dim else {}) | self._rope_spec(key) | {
                 "tokens": ((t,), i32), "positions": ((t,), i32), "cu_q_lens": ((s + 1,), i32),
                 "kv_lens": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32),
                 "sample_rows": ((s,), i32), "steps": ((s,), i32), "samples": ((s,), np.dtype(bool)),
@@ -170,16 +183,23 @@ class StepInputBuilder:
             }
         if kind == "verify":
             _, t, s = key
-            return pages | {
+            return pages | self._rope_spec(key) | {
                 "tokens": ((t,), i32), "positions": ((t,), i32), "cu_q_lens": ((s + 1,), i32),
                 "kv_lens": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32), "steps": ((s,), i32),
             }
         s = key[1]
-        return pages | {
+        return pages | self._rope_spec(key) | {
             "tokens": ((s,), i32), "positions": ((s,), i32), "num_seqs": ((), i32), "row_slots": ((s,), i32),
             "steps": ((s,), i32), "remaining": ((s,), i32), "num_steps": ((), i32),
             "min_logprob": ((s,), np.dtype(np.float32)),
         }
+
+    def _rope_spec(self, key: Key) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        if not self.mrope:
+            return {}
+        if key[0] == "decode":
+            return {"rope_delta": ((key[1],), np.dtype(np.int32))}
+        return {"rope_positions": ((key[1], 3), np.dtype(np.int32))}
 
     def empty(self, key: Key) -> Payload:
         """A payload of `key` with nothing in it (padding entries, dropped on the device)."""
@@ -341,6 +361,11 @@ class StepInputBuilder:
                 p["prompt_top_n"][offset:offset + n] = top_n
             p["sample_rows"][i] = offset + n - 1
             p["samples"][i] = chunk.samples
+            if chunk.seq.embeds:
+                if not self.embed_dim:
+                    raise ValueError(f"sequence {chunk.seq.seq_id} has embeddings; this engine takes none")
+                fill_chunk(chunk.seq.embeds, chunk.start, chunk.end, p["embeds"][offset:offset + n],
+                           p["embedded"][offset:offset + n])
         return p
 
     def _verify(self, key: Key, seqs: list[Sequence], drafts: dict[Sequence, list[int]]) -> Payload:
@@ -373,6 +398,8 @@ class StepInputBuilder:
             n = len(tokens)
             p["tokens"][offset:offset + n] = tokens
             p["positions"][offset:offset + n] = np.arange(start, start + n)
+            if self.mrope:
+                p["rope_positions"][offset:offset + n] = rope_positions(seq, np.arange(start, start + n))
             p["cu_q_lens"][i + 1] = offset + n
             p["kv_lens"][i] = start + n
             p["row_slots"][i] = seq.slot
@@ -394,4 +421,16 @@ class StepInputBuilder:
         p["num_seqs"] = np.int32(n)
         p["num_steps"] = np.int32(num_steps)
         p["min_logprob"].fill(-np.inf)
+        if self.mrope:
+            p["rope_delta"][:n] = [s.rope_delta for s in seqs]
         return p
+
+
+def rope_positions(seq: Sequence, positions: np.ndarray) -> np.ndarray:
+    """An M-RoPE model's [n, 3] rotary positions of `seq`'s tokens at `positions`: the prompt's own
+    (images take their grid's), every later token its index + the sequence's delta."""
+    out = np.repeat((positions + seq.rope_delta)[:, None], 3, axis=1)
+    if seq.rope_positions is not None:
+        inside = positions < seq.rope_positions.shape[1]
+        out[inside] = seq.rope_positions[:, positions[inside]].T
+    return out

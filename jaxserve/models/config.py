@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxserve.multimodal import VISION_LANGUAGE_ARCHITECTURES
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -18,6 +20,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
 )
+
+
+# Vision-language models (VISION_LANGUAGE_ARCHITECTURES): their language model is one of the
+# families above, described by config.json's text_config (jaxserve.models.vision and
+# jaxserve.models.qwen2_vl_vision hold the vision sides).
+_TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                       "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
@@ -66,6 +76,9 @@ class DecoderConfig:
     # Per-layer sliding window in tokens (0 = full attention); a query at position p sees keys at
     # positions p - window + 1 .. p, as HF's sliding-window masks do.
     layer_windows: tuple[int, ...] = ()
+    # Qwen2.5-VL's multimodal RoPE: consecutive sections of the rotary frequencies rotate by the
+    # temporal, height and width positions (() = ordinary RoPE, one position per token).
+    mrope_section: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype, used by --dtype auto
@@ -94,6 +107,8 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind == "mrope":  # Qwen2-VL's older spelling: default frequencies, sections read by `_mrope_section`
+        kind = "default"
     if kind not in ("default", "linear", "llama3"):
         raise UnsupportedModelError(
             f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
@@ -106,6 +121,11 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
+    merged = {**dict(cfg.get("rope_scaling") or {}), **dict(cfg.get("rope_parameters") or {})}
+    return tuple(int(x) for x in merged.get("mrope_section") or ())
 
 
 def _eos(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -136,14 +156,34 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
 
 
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a vision-language config.json (its text_config, with the
+    causal-LM architecture of its model_type); any other config as it is."""
+    archs = cfg.get("architectures") or []
+    if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+        return cfg
+    # Hub checkpoints of Qwen2.5-VL keep the language model's keys at the top level.
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    model_type = text.get("model_type", "llama")
+    if model_type not in _TEXT_ARCHITECTURES:
+        raise UnsupportedModelError(f"{archs[0]}'s language model {model_type!r} is not supported; supported: "
+                                    + ", ".join(_TEXT_ARCHITECTURES))
+    # Token ids and dtype may sit at the top level only.
+    for key in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype", "tie_word_embeddings"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return {**text, "architectures": [_TEXT_ARCHITECTURES[model_type]]}
+
+
 def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
     """Parse a Hugging Face config.json dict; raises UnsupportedModelError naming what is missing."""
+    cfg = text_config(cfg)
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or '(none given)'} is not supported; supported: "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
+            + ", ".join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE_ARCHITECTURES)
         )
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -188,7 +228,11 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
         )
     tie = bool(_get(cfg, "tie_word_embeddings", False))
     if arch == "Qwen2ForCausalLM":
-        return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=True)
+        mrope = _mrope_section(cfg)
+        if mrope and 2 * sum(mrope) != head_dim:
+            raise UnsupportedModelError(f"mrope_section {list(mrope)} covers {sum(mrope)} of head_dim/2 = "
+                                        f"{head_dim // 2} rotary frequencies")
+        return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=True, mrope_section=mrope)
     if arch == "Qwen3ForCausalLM":
         bias = bool(_get(cfg, "attention_bias", False))
         return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -63,10 +63,18 @@ def rope_inv_freq(cfg: DecoderConfig) -> Array:
     return inv
 
 
-def rope_tables(positions: Array, inv_freq: Array, dtype: Any) -> tuple[Array, Array]:
+def rope_tables(positions: Array, inv_freq: Array, dtype: Any,
+                mrope_section: tuple[int, ...] = ()) -> tuple[Array, Array]:
     """(cos, sin) [batch, tokens, 1, head_dim] in `dtype`, for `apply_rope`. Computed once per
-    step and shared by every layer."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim/2]
+    step and shared by every layer. positions: [batch, tokens], or with mrope_section (M-RoPE)
+    [batch, tokens, 3]: (temporal, height, width), consecutive sections of the frequencies
+    reading one axis each (section j: axis j % 3, as HF's Qwen2.5-VL)."""
+    if mrope_section:
+        axes = jnp.asarray([j % 3 for j, size in enumerate(mrope_section) for _ in range(size)])
+        pos = jnp.take(positions.astype(jnp.float32), axes, axis=-1)  # [batch, tokens, head_dim/2]
+        freqs = pos * inv_freq
+    else:
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, tokens, head_dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
@@ -178,12 +186,24 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.embed_scale, dtype=x.dtype)
         return x
 
-    def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn, cache: Any = None) -> tuple[Array, Any]:
+    def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn, cache: Any = None,
+                      embeds: tuple[Array, Array] | None = None,
+                      rope_positions: Array | None = None) -> tuple[Array, Any]:
         """Run every layer. tokens, positions: [batch, tokens]. cache: any pytree `attend`
-        understands (or None), carried through the layers. Returns final-normed hidden
-        [b, t, hidden] and the new cache."""
+        understands (or None), carried through the layers. embeds: (values [b, t, hidden], mask
+        [b, t]): where mask is set the input is the given embedding (an image's, or the client's
+        input_embeds), taken as it is (no embedding scale, as HF's inputs_embeds). Returns
+        final-normed hidden [b, t, hidden] and the new cache. rope_positions: an M-RoPE model's
+        [b, t, 3] positions (which, unlike `positions`, the masks and the cache never read);
+        None: every axis at `positions`."""
         x = self.embed(tokens)
-        rope = rope_tables(positions, rope_inv_freq(self.cfg), x.dtype)
+        if embeds is not None:
+            values, mask = embeds
+            x = jnp.where(mask[..., None], values.astype(x.dtype), x)
+        if self.cfg.mrope_section and rope_positions is None:
+            rope_positions = jnp.repeat(positions[..., None], 3, axis=-1)
+        rope = rope_tables(positions if rope_positions is None else rope_positions, rope_inv_freq(self.cfg), x.dtype,
+                           self.cfg.mrope_section)
         per_layer = [(jnp.int32(window), jnp.int32(i)) for i, window in enumerate(self.cfg.windows())]
         x, cache = run_layers(self.layers, _layer_body, (x, cache), (rope, attend), per_layer)
         return self.norm(x), cache
@@ -200,10 +220,11 @@ class Decoder(nnx.Module):
         cap = self.cfg.final_logit_softcap
         return out if not cap else jnp.tanh(out / cap) * cap
 
-    def __call__(self, tokens: Array, positions: Array, lengths: Array) -> Array:
+    def __call__(self, tokens: Array, positions: Array, lengths: Array,
+                 embeds: tuple[Array, Array] | None = None, rope_positions: Array | None = None) -> Array:
         """Full no-cache forward (the reference): right-padded [batch, tokens] -> logits."""
         attend = DenseAttention(positions, lengths, scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap)
-        hidden, _ = self.hidden_states(tokens, positions, attend)
+        hidden, _ = self.hidden_states(tokens, positions, attend, embeds=embeds, rope_positions=rope_positions)
         return self.logits(hidden)
 
 

@@ -4,7 +4,7 @@ deliberately ignored (the tables below, each with its reason), or refused with a
 Honoured fields are the request models' own (openai_protocol.py, openai_responses.py, sglang.py,
 classify.py, embeddings.py, scoring.py). A field is accepted and ignored only when ignoring it
 cannot change what is generated: a hint for another server's billing, storage, tracing or routing,
-or a detail of an input (images) that is refused anyway. A field whose absence would change the
+or a detail of an input that the server derives itself (image hashes). A field whose absence would change the
 output is never on a table: it is honoured or refused. A table may name a declared field (`user`):
 it is type-checked, then unused. Anything else gets a 400 whose message and `param` name it (code
 "unknown_parameter", with the nearest honoured name when one is close: a typo such as `max_token`
@@ -37,8 +37,8 @@ _STREAM_CHUNKS = "tokens gathered per streamed chunk: each piece is sent as it i
 # OpenAI completions (/v1 and /v3), with FastDeploy's extras.
 OPENAI_COMPLETIONS: Reasons = {
     "user": _USER,
-    "mm_hashes": "FastDeploy's hashes of the request's images, for its multimodal cache: images are refused "
-                 "(non-text content parts get a 400), so they name nothing",
+    "mm_hashes": "FastDeploy's hashes of the request's images, for its multimodal cache: the server hashes "
+                 "each image's decoded pixels itself (its prefix and encoder caches key images by them)",
     "include_draft_logprobs": "FastDeploy's logprobs of a draft model's proposals: there is no draft model "
                               "(prompt lookup proposes without logprobs), and FastDeploy without one returns none",
     "max_streaming_response_tokens": f"FastDeploy's {_STREAM_CHUNKS}",

@@ -15,6 +15,7 @@ from quart import Quart
 
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.multimodal.images import ImageSupport
 from jaxserve.server import classify, openai, sglang, tool_parsers, triton
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -44,6 +45,7 @@ def create_app(
     warm_structured: bool = False,
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
+    images: ImageSupport | None = None,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -56,6 +58,7 @@ def create_app(
         structured=structured, reasoning_parser=check_parser(reasoning_parser),
         tool_parser=(tool_parsers.resolve(tool_call_parser, tokenizer.chat_template, async_engine.info.architecture)
                      if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
+        images=images,
     )
     if state.tool_parser is not None:
         log.info("tool calls for tool_choice 'auto' read with the %s parser%s", state.tool_parser,

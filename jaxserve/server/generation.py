@@ -19,15 +19,18 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server.errors import ApiError
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
 from jaxserve.config import StructuredOutputConfig
+from jaxserve.multimodal.images import ImageSupport
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.structured.vocabulary import token_vocabulary
@@ -48,6 +51,7 @@ class ServerState:
     structured: StructuredOutputConfig = StructuredOutputConfig()
     reasoning_parser: str | None = None  # --reasoning-parser (jaxserve.server.reasoning)
     tool_parser: str | None = None  # --tool-call-parser, resolved (jaxserve.server.tool_parsers)
+    images: ImageSupport | None = None  # a vision-language model's image input (jaxserve.multimodal.images)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False
@@ -148,10 +152,12 @@ class Flight:
             exchange.append(self)
 
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     priority: int = 0) -> "EngineStream":
+                     priority: int = 0, images: Sequence[ImageItem] = (),
+                     embeds: Sequence[EmbedSpan] = ()) -> "EngineStream":
         engine = self.state.engine
         try:
-            inner = await engine.submit(request_id, prompt_ids, params, priority)
+            inputs = {"images": images, "embeds": embeds} if images or embeds else {}
+            inner = await engine.submit(request_id, prompt_ids, params, priority, **inputs)
         except asyncio.CancelledError:
             engine.abort(request_id)  # the engine may have queued it before we were cancelled
             raise

@@ -9,9 +9,11 @@ from typing import Any, AsyncIterator, TypeVar
 import pydantic
 from quart import Quart, Response, jsonify, request
 
+from jaxserve.engine.embeds import ImageItem
 from jaxserve.engine.output import RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import sampling, sse
+from jaxserve.server.embed_inputs import base64_embeds
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import (
     ServerState,
@@ -112,13 +114,16 @@ def _refuse_unsupported(req: SamplingFields) -> None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None,
-          drafts: tuple[int, int] | None = None) -> dict[str, Any]:
+          drafts: tuple[int, int] | None = None, image_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object. `drafts` (speculative tokens proposed, accepted) fill OpenAI's
     predicted-output counts, which mean just that: the accepted ones were emitted, the rest
-    were checked and thrown away."""
+    were checked and thrown away. image_tokens: the prompt tokens that are images' (reported
+    when there are any, as OpenAI's and FastDeploy's prompt_tokens_details do)."""
     body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                             "total_tokens": prompt_tokens + completion_tokens,
                             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if image_tokens:
+        body["prompt_tokens_details"]["image_tokens"] = image_tokens
     details: dict[str, int] = {}
     if reasoning_tokens is not None:
         details["reasoning_tokens"] = reasoning_tokens
@@ -152,9 +157,10 @@ def _usage_options(req: SamplingFields) -> tuple[bool, bool]:
 class _Usage:
     """Token counts across a request's engine streams, as deltas arrive."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]]):
+    def __init__(self, state: ServerState, prompts: list[list[int]], image_tokens: int = 0):
         self.state = state
         self.prompt = sum(map(len, prompts))
+        self.image_tokens = image_tokens
         self.completion = 0
         # Per stream; each delta carries its stream's totals so far.
         self.cached: dict[int, int] = {}
@@ -169,7 +175,7 @@ class _Usage:
         num_draft = sum(d for d, _ in self.drafted.values())
         num_accepted = sum(a for _, a in self.drafted.values())
         return usage(self.prompt, self.completion, sum(self.cached.values()), reasoning_tokens,
-                     draft_counts(self.state, num_draft, num_accepted))
+                     draft_counts(self.state, num_draft, num_accepted), self.image_tokens)
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
@@ -227,6 +233,8 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprob], num_top: int) -> 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
 def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    if req.prompt is None:
+        raise ApiError(400, "prompt: required (or prompt_embeds)", "prompt")
     p = req.prompt
     if isinstance(p, str):
         texts: list[str] | None = [p]
@@ -245,13 +253,33 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
     return prompts
 
 
+def _completion_inputs(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[tuple]]:
+    """The prompts' token ids and embedding spans: from `prompt`, or from vLLM's prompt_embeds
+    (whose prompts have no text to echo and no tokens to score)."""
+    if req.prompt_embeds is None:
+        prompts = completion_prompts(state, req)
+        return prompts, [()] * len(prompts)
+    if req.prompt is not None:
+        raise ApiError(400, "prompt_embeds: give prompt or prompt_embeds, not both", "prompt_embeds")
+    for name, used in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None)):
+        if used:
+            raise ApiError(400, f"{name}: a prompt given as prompt_embeds has no tokens to echo or score", name)
+    batch = isinstance(req.prompt_embeds, list)
+    values = req.prompt_embeds if batch else [req.prompt_embeds]
+    if not values:
+        raise ApiError(400, "prompt_embeds: must not be empty", "prompt_embeds")
+    out = [base64_embeds(v, state.engine.info, f"prompt_embeds[{i}]" if batch else "prompt_embeds")
+           for i, v in enumerate(values)]
+    return [ids for ids, _ in out], [spans for _, spans in out]
+
+
 async def completions(state: ServerState) -> Response:
     """OpenAI text completions (legacy), with vLLM's sampling extras."""
     req = await parse(CompletionRequest)
     state.model_names.check(req.model)
     if req.suffix is not None:
         raise not_supported("suffix", "suffix (insertion)")
-    prompts = completion_prompts(state, req)
+    prompts, embeds = _completion_inputs(state, req)
     params = sampling_params(state, req, req.max_tokens, req.logprobs)
     await attach_grammar(state, params, guide_spec(req))
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
@@ -259,7 +287,7 @@ async def completions(state: ServerState) -> Response:
     request_id = new_id("cmpl")
     async with state.admit() as flight:
         for i, ids in enumerate(prompts):
-            await flight.submit(f"{request_id}-{i}", ids, params, req.priority)
+            await flight.submit(f"{request_id}-{i}", ids, params, req.priority, embeds=embeds[i])
         if req.stream:
             return sse.sse_response(flight.respond(_completion_stream(state, req, request_id, prompts, flight.streams)))
         results = await flight.collect()
@@ -334,18 +362,28 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
 
 
 # ---- chat templates (chat completions: jaxserve.server.openai_chat) -------------------------------
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: content parts joined into one string, tool calls'
     arguments as objects (OpenAI sends JSON text; HF templates write `arguments | tojson`), an
     assistant turn that only called tools with "" content (Qwen3's template cannot test None).
-    Tool turns must answer a call made before them."""
+    Tool turns must answer a call made before them. With `images` (a vision-language model), the
+    content is a list of parts as its processor's template reads them ({"type": "text", "text"}
+    and {"type": "image"}, a string becoming one text part), and each image_url part's (url,
+    parameter name) is appended to `images`, in order."""
     out = []
     call_ids: set[str] = set()
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
+        if images is not None and isinstance(m.content, str):
+            d["content"] = [{"type": "text", "text": m.content}]
+        elif images is not None and isinstance(m.content, list):
+            d["content"] = [_template_part(i, k, part, images) for k, part in enumerate(m.content)]
+        elif isinstance(m.content, list):
             texts = []
-            for part in m.content:
+            for k, part in enumerate(m.content):
+                if part.type == "image_url":
+                    raise ApiError(400, f"messages[{i}].content[{k}]: this model takes no images (a text-only model)",
+                                   f"messages[{i}].content[{k}]", code="not_supported")
                 if part.type != "text" or part.text is None:
                     raise not_supported(f"messages[{i}].content", f"content part type {part.type!r}")
                 texts.append(part.text)
@@ -371,6 +409,22 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _template_part(i: int, k: int, part: Any, images: list[tuple[str, str]]) -> dict[str, Any]:
+    """One content part as a vision-language template reads it; an image's URL goes to `images`."""
+    where = f"messages[{i}].content[{k}]"
+    if part.type == "text" and part.text is not None:
+        return {"type": "text", "text": part.text}
+    if part.type != "image_url":
+        raise not_supported(where, f"content part type {part.type!r}")
+    spec = (part.model_extra or {}).get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where}.image_url: needs a url (a data: URL, an http(s) URL or a file)",
+                       f"{where}.image_url")
+    images.append((url, f"{where}.image_url"))
+    return {"type": "image"}
+
+
 def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
     where = f"messages[{i}].tool_calls[{k}]"
     fn = call.get("function")
@@ -384,10 +438,25 @@ def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": arguments}}
 
 
+async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[str, str]] | None,
+                        param: str) -> tuple[list[int], list[ImageItem]]:
+    """On a vision-language server: the images `urls` names ((url, parameter name) each) loaded and
+    preprocessed, and the prompt's placeholders expanded for them (a prompt without images must
+    hold no placeholder). Elsewhere the prompt as it is."""
+    if state.images is None:
+        return prompt, []
+    state.images.check_placeholders(prompt, len(urls or []), urls[0][1] if urls else param)
+    prepared = await state.images.prepare_all(urls or [])
+    return state.images.expand(prompt, prepared, urls[0][1] if urls else param)
+
+
 def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                 chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    return state.tokenizer.encode_chat(chat_messages(messages), add_generation_prompt=add_generation_prompt,
+                tools: list[dict[str, Any]] | None = None,
+                images: list[tuple[str, str]] | None = None) -> list[int]:
+    """The rendered conversation's token ids. images: as for `chat_messages` (its image
+    placeholders are in the ids, unexpanded)."""
+    return state.tokenizer.encode_chat(chat_messages(messages, images), add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                                        tools=tools)
 
@@ -407,7 +476,10 @@ async def tokenize(state: ServerState) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise ApiError(400, "messages: must not be empty", "messages")
-        ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs)
+        urls: list[tuple[str, str]] | None = [] if state.images is not None else None
+        ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs,
+                          images=urls)
+        ids, _ = await expand_images(state, ids, urls, "messages")  # the ids a chat request would run
     else:
         ids = state.tokenizer.encode_prompt(req.prompt or "", add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,

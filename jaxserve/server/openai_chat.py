@@ -22,6 +22,7 @@ from jaxserve.server.openai import (
     chat_messages,
     chat_prompt,
     draft_counts,
+    expand_images,
     guide_spec,
     parse,
     sampling_params,
@@ -56,17 +57,25 @@ async def chat_completions(state: ServerState) -> Response:
     if token_messages and req.prompt_token_ids is not None:
         raise ApiError(400, "messages: token ids here are the prompt; do not also send prompt_token_ids",
                        "messages")
+    urls: list[tuple[str, str]] | None = None  # the images of the messages (a vision-language model)
     if req.prompt_token_ids is not None or token_messages:
         prompt = list(req.prompt_token_ids if req.prompt_token_ids is not None else req.messages)  # type: ignore[arg-type]
     elif req.disable_chat_template:
+        if state.images is not None and any(isinstance(m.content, list)
+                                            and any(p.type == "image_url" for p in m.content) for m in req.messages):
+            raise ApiError(400, "disable_chat_template: image parts are placed by the chat template; write the "
+                           "placeholder into a prompt of your own through /generate or completions instead",
+                           "disable_chat_template")
         prompt = state.tokenizer.encode("".join(m["content"] for m in chat_messages(req.messages)
                                                 if isinstance(m.get("content"), str)))
         if not prompt:
             raise ApiError(400, "messages: no text to prompt with (disable_chat_template joins their content)",
                            "messages")
     else:
+        urls = [] if state.images is not None else None
         prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
-                             req.chat_template_kwargs, req.tools if tools_on else None)
+                             req.chat_template_kwargs, req.tools if tools_on else None, images=urls)
+    prompt, images = await expand_images(state, prompt, urls, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     plan = answers.plan(state, prompt, forced, auto, schemas)
@@ -74,9 +83,11 @@ async def chat_completions(state: ServerState) -> Response:
                             req.reasoning_max_tokens)
     request_id = new_id("chatcmpl")
     async with state.admit() as flight:
-        await flight.submit(request_id, prompt, params, req.priority)
+        await flight.submit(request_id, prompt, params, req.priority, images=images)
+        image_tokens = sum(item.num_tokens for item in images)
         if req.stream:
-            return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams, plan)))
+            return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams, plan,
+                                                                image_tokens)))
         (res,) = await flight.collect()
     choices = []
     for o in res.outputs:
@@ -96,7 +107,8 @@ async def chat_completions(state: ServerState) -> Response:
                                                                              plan.opened) for o in res.outputs])
         num_reasoning = sum(counts)
     token_usage = usage(len(prompt), sum(len(o.token_ids) for o in res.outputs), res.num_cached_tokens,
-                        num_reasoning, draft_counts(state, res.num_draft_tokens, res.num_accepted_draft_tokens))
+                        num_reasoning, draft_counts(state, res.num_draft_tokens, res.num_accepted_draft_tokens),
+                        image_tokens)
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": token_usage, "system_fingerprint": None}
     if req.return_token_ids:
@@ -107,12 +119,12 @@ async def chat_completions(state: ServerState) -> Response:
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
-                       streams: list, plan: answers.OutputPlan) -> AsyncIterator[bytes]:
+                       streams: list, plan: answers.OutputPlan, image_tokens: int = 0) -> AsyncIterator[bytes]:
     """Each delta's text split into reasoning_content, content and tool_calls (answers.OutputStream); a
     piece of a tag or trigger is held back until the next token decides it."""
     created = int(time.time())
     include_usage, continuous = _usage_options(req)
-    total = _Usage(state, [prompt])
+    total = _Usage(state, [prompt], image_tokens)
     outputs = {i: answers.OutputStream(plan) for i in range(req.n)}
     # Reasoning tokens from the tokens' own text, not the streamed text (which the detokenizer may
     # still hold back for a stop string): the same count as the whole reply's, never going down.

@@ -81,7 +81,9 @@ class SamplingFields(_Strict):
 
 class CompletionRequest(SamplingFields):
     IGNORED = accepted_fields.OPENAI_COMPLETIONS
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's: base64 of torch.save'd [tokens, hidden] tensors (or .npy), one prompt each.
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

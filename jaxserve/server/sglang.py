@@ -3,16 +3,20 @@ streaming) and POST /abort_request. Shapes follow SGLang's http_server."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Literal
 
 from pydantic import ConfigDict
 from quart import Quart, Response, jsonify
 
+from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server import accepted_fields, sampling, sse
 from jaxserve.server.accepted_fields import KnownFields
+from jaxserve.multimodal.media import check_count
+from jaxserve.server.embed_inputs import json_embeds
 from jaxserve.server.errors import ApiError, error_event, not_supported
 from jaxserve.server.generation import EngineStream, ServerState, attach_grammar, merged, new_id, route, token_text
 from jaxserve.server.openai import draft_counts, parse
@@ -112,13 +116,37 @@ def wants_input_logprobs(req: GenerateRequest) -> bool:
     return req.return_logprob and req.logprob_start_len >= 0
 
 
-def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
-    """The prompts as token ids, and whether the request was a batch."""
-    for name in ("image_data", "input_embeds", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
+@dataclasses.dataclass
+class _Prompt:
+    ids: list[int]
+    images: list[ImageItem] = dataclasses.field(default_factory=list)
+    embeds: tuple[EmbedSpan, ...] = ()
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.images)
+
+
+async def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[_Prompt], bool]:
+    """The prompts (token ids, with their images or embeddings), and whether the request was a batch."""
+    for name in ("audio_data", "video_data", "lora_path", "custom_logit_processor"):
         if getattr(req, name) is not None:
             raise not_supported(name, name)
-    if (req.text is None) == (req.input_ids is None):
-        raise ApiError(400, "give exactly one of text and input_ids", "text")
+    if sum(x is not None for x in (req.text, req.input_ids, req.input_embeds)) != 1:
+        raise ApiError(400, "text: give exactly one of text, input_ids and input_embeds", "text")
+    if req.input_embeds is not None:
+        if req.image_data is not None:
+            raise ApiError(400, "image_data: a prompt given as input_embeds holds its images' embeddings itself",
+                           "image_data")
+        if wants_input_logprobs(req):
+            raise ApiError(400, "logprob_start_len: a prompt given as input_embeds has no tokens to score; use -1",
+                           "logprob_start_len")
+        embeds = req.input_embeds
+        batch = isinstance(embeds, list) and bool(embeds) and isinstance(embeds[0], list) and bool(embeds[0]) \
+            and isinstance(embeds[0][0], list)
+        each = embeds if batch else [embeds]
+        name = lambda i: f"input_embeds[{i}]" if batch else "input_embeds"  # noqa: E731
+        return [_embedded(e, state, name(i)) for i, e in enumerate(each)], batch
     if req.text is not None:
         batch = isinstance(req.text, list)
         prompts = [state.tokenizer.encode_prompt(t) for t in (req.text if batch else [req.text])]  # type: ignore[union-attr]
@@ -129,7 +157,44 @@ def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], 
     if not prompts or any(not p for p in prompts):
         param = "text" if req.text is not None else "input_ids"
         raise ApiError(400, f"{param}: the prompt must not be empty", param)
-    return prompts, batch
+    images = _image_specs(req.image_data, len(prompts), batch)
+    if state.images is None:
+        if any(images):
+            raise ApiError(400, f"image_data: {state.engine.info.architecture} takes no images (a text-only model)",
+                           "image_data", code="not_supported")
+        return [_Prompt(p) for p in prompts], batch
+    # The image limit is per request, however its prompts share the images.
+    check_count(sum(map(len, images)), state.images.policy, "image_data")
+    out = []
+    for ids, specs in zip(prompts, images):
+        state.images.check_placeholders(ids, len(specs), "image_data")
+        prepared = await state.images.prepare_all(specs)
+        out.append(_Prompt(*state.images.expand(ids, prepared, "image_data")))
+    return out, batch
+
+
+def _embedded(value: Any, state: ServerState, param: str) -> _Prompt:
+    ids, spans = json_embeds(value, state.engine.info, param)
+    return _Prompt(ids, [], spans)
+
+
+def _image_specs(data: Any, count: int, batch: bool) -> list[list[tuple[str, str]]]:
+    """SGLang's image_data, per prompt: (image, parameter name) of each. One prompt takes an image
+    (str) or a list of them; a batch takes one entry per prompt, each an image, a list or None."""
+    if data is None:
+        return [[] for _ in range(count)]
+    if not batch:
+        data = [data]
+    elif not isinstance(data, list) or len(data) != count:
+        raise ApiError(400, f"image_data: a batch takes one entry per prompt ({count})", "image_data")
+    out = []
+    for i, entry in enumerate(data):
+        where = f"image_data[{i}]" if batch else "image_data"
+        entries = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        if not all(isinstance(e, str) for e in entries):
+            raise ApiError(400, f"{where}: an image is a string (a file name, URL, data URL or base64)", where)
+        out.append([(e, f"{where}[{k}]" if isinstance(entry, list) else where) for k, e in enumerate(entries)])
+    return out
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -143,7 +208,8 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
 async def generate(state: ServerState) -> Response:
     """SGLang's native generate: text or input_ids, single or batch, cumulative-text streaming."""
     req = await parse(GenerateRequest)
-    prompts, batch = _inputs(state, req)
+    inputs, batch = await _inputs(state, req)
+    prompts = [p.ids for p in inputs]
     if req.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len: must be -1 (none) or >= 0, got {req.logprob_start_len}",
                        "logprob_start_len")
@@ -157,8 +223,9 @@ async def generate(state: ServerState) -> Response:
     for sp, p in zip(sps, params):
         await attach_grammar(state, p, guide_spec(sp))
     async with state.admit() as flight:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            await flight.submit(rids[i] or new_id("gen"), ids, p, req.priority or 0)
+        for i, (prompt, p) in enumerate(zip(inputs, params)):
+            await flight.submit(rids[i] or new_id("gen"), prompt.ids, p, req.priority or 0, prompt.images,
+                                prompt.embeds)
         if req.stream:
             return sse.sse_response(flight.respond(_stream(state, req, prompts, params, flight.streams, batch)))
         results = await flight.collect()

@@ -106,10 +106,40 @@ def abstract_model(cfg: DecoderConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.St
     return abstract(lambda: Decoder(cfg, dtype))
 
 
+# Where a vision-language checkpoint keeps its language model's tensors: transformers 5's
+# save_pretrained layout, then the Hub's llava-hf layout.
+_LM_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                ("lm_head.", "language_model.lm_head."))
+
+
+def vision_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a vision-language model's vision side."""
+    from jaxserve.weights import qwen2_vl_vision_loader, vision_loader  # they read checkpoints through this module
+
+    return vision_loader.vision_tensor(name) or qwen2_vl_vision_loader.vision_tensor(name)
+
+
 def _unused(name: str) -> bool:
     # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); some persist the
-    # rotary tables.
-    return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
+    # rotary tables; a vision-language model's vision side is loaded by its own loader.
+    return (name in ("lm_head.weight", "language_model.lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+            or vision_tensor(name))
+
+
+def lm_alias(source: ModelSource) -> Callable[[str], str]:
+    """A causal LM's tensor name -> the name `source` stores it under (a vision-language
+    checkpoint nests its language model)."""
+    tensors = source.tensors
+
+    def alias(name: str) -> str:
+        if name in tensors:
+            return name
+        for plain, nested in _LM_PREFIXES:
+            if name.startswith(plain) and nested + name[len(plain):] in tensors:
+                return nested + name[len(plain):]
+        return name
+
+    return alias
 
 
 def build_from_source(
@@ -118,7 +148,7 @@ def build_from_source(
 ) -> Decoder:
     """The decoder with every weight read from `source`, except the tensors `skip` names (abstract)."""
     graphdef, state, tree = abstract_model(cfg, dtype)
-    names = tensor_names(source, leaf_paths(tree), hf_name, ignored=_unused)
+    names = tensor_names(source, leaf_paths(tree), hf_name, alias=lm_alias(source), ignored=_unused)
     return fill_from_source(graphdef, state, tree, source, names, dtype, sharding, skip)
 
 

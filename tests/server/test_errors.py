@@ -40,7 +40,7 @@ BAD = [
      "must be 'text', 'json_object' or 'json_schema'"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content", "not supported"),
+     400, "messages[0].content[0]", "takes no images"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{% if %}"}, 400, "messages", "chat template"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 600}, 400, "max_tokens", "512"),
     ("/v1/chat/completions", {"messages": CHAT, "reasoning_max_tokens": 100}, 400, "reasoning_max_tokens",

@@ -1,0 +1,57 @@
+"""Qwen2.5-VL served end to end (production start-up, the official openai client, image_url parts
+through Qwen's chat template): greedy answers equal HF transformers' generate on the same tokens
+and pixels, usage reports the image tokens, and a repeated image is served from the prefix cache."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from jaxserve.config import CacheConfig, Config, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.app import create_app
+from jaxserve.startup import image_input, start_engine
+from live_server import start_server
+from tiny_vlm import QWEN_IMAGE_TOKEN, data_url, hf_greedy, make_tiny_qwen_vl, random_image
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-qwen-vl"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, cache_dir):
+    directory = tmp_path_factory.mktemp("qwen_vl")
+    hf = make_tiny_qwen_vl(directory)
+    config = Config(
+        model=ModelConfig(model=str(directory), served_model_name=MODEL, dtype="float32", max_model_len=256,
+                          cache_dir=cache_dir),
+        parallel=ParallelConfig(), server=ServerConfig(), cache=CacheConfig(page_size=4, num_pages=120),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2),
+        compilation_cache_dir=cache_dir / "xla")
+    engine = start_engine(config)[0]
+    async_engine = AsyncEngine(engine)
+    live = start_server(create_app(async_engine, engine.tokenizer, MODEL, engine.info.max_model_len,
+                                   images=image_input(config, engine)))
+    yield hf, openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    live.close()
+    async_engine.shutdown()
+
+
+def test_chat_with_images_equals_hf(served):
+    hf, client = served
+    images = [random_image(60, 110, seed=1), random_image(100, 40, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(im)}}
+                                             for im in images] + [{"type": "text", "text": "w5 w7"}]}]
+
+    def chat():
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    out = chat()
+    ids = out.prompt_token_ids
+    want = hf_greedy(hf, "qwen", ids, images, 8)
+    assert out.choices[0].token_ids == want
+    assert out.usage.prompt_tokens_details.image_tokens == ids.count(QWEN_IMAGE_TOKEN) >= 8
+    again = chat()
+    assert again.choices[0].token_ids == want and again.usage.prompt_tokens_details.cached_tokens > 8
