@@ -175,6 +175,9 @@ def hf_image_kwargs(family: str, ids: list[int], images: list[Image.Image]) -> d
         # HF 5.17 computes M-RoPE positions only when given the processor's mm_token_type_ids (1: image).
         return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"],
                 "mm_token_type_ids": torch.tensor([[int(t == QWEN_IMAGE_TOKEN) for t in ids]])}
+    if family == "next":
+        inputs = next_processor()(images=images, return_tensors="pt")
+        return {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
     inputs = hf_processor()(images=[images], return_tensors="pt")
     return {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"],
             "batch_num_images": torch.tensor([len(images)])}
@@ -186,3 +189,46 @@ def hf_greedy(hf, family: str, ids: list[int], images: list[Image.Image], n: int
         out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                           **hf_image_kwargs(family, ids, images))
     return out[0, len(ids):].tolist()
+
+
+# ---- LLaVA-NeXT ----------------------------------------------------------------------------------
+NEXT_TILE = 56  # CLIP tiles of 4x4 patches of 14, the second-to-last layer's features without CLS
+NEXT_PINPOINTS = [[h * NEXT_TILE, w * NEXT_TILE] for h, w in [[1, 1], [1, 2], [2, 1], [2, 2], [1, 3], [3, 1]]]
+
+
+def make_tiny_llava_next(directory: Path, seed: int = 0):
+    """A tiny LLaVA-NeXT (CLIP tower + Llama) saved with its processor config, the LLaVA tokenizer
+    and chat template; returns the float32 HF model."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(image_size=NEXT_TILE, patch_size=14, hidden_size=32, intermediate_size=48,
+                                       num_attention_heads=4, num_hidden_layers=3, projection_dim=16),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024,
+                                tie_word_embeddings=False, eos_token_id=2),
+        image_grid_pinpoints=NEXT_PINPOINTS, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
+    model = LlavaNextForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layer_norm" in name or "layrnorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    next_processor().save_pretrained(directory)
+    _save_tokenizer(directory)
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return model
+
+
+def next_processor():
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    return LlavaNextImageProcessorPil(size={"shortest_edge": NEXT_TILE},
+                                      crop_size={"height": NEXT_TILE, "width": NEXT_TILE},
+                                      image_grid_pinpoints=NEXT_PINPOINTS)

@@ -37,7 +37,8 @@ def test_tiny_preset_reports_every_size_and_bucket(capsys):
         assert all(n > 0 for n in numbers), row
         tokens, preprocess, encode, pack, total, rate = numbers
         assert total == pytest.approx(preprocess + encode + pack, abs=0.2)
-        assert rate == pytest.approx(tokens / total * 1e3, rel=0.02)
+        # (the table rounds total to 0.1 ms, which moves a tiny image's rate by up to 0.05 / total)
+        assert rate == pytest.approx(tokens / total * 1e3, rel=0.02 + 0.06 / total)
     # The placeholder counts are the processor's (the benchmark checks the packed rows against them).
     assert [r["tokens"] for r in result["images"]] == [36, 120, 151]
     towers = _table(out, "bucket (tiles)")

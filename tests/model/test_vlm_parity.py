@@ -3,8 +3,8 @@ the server loads it (language model through load_model, vision side through its 
 prompt's images through our image processor and placeholder expansion, the vision encoding step,
 and the language model with the image embeddings spliced in (and, for Qwen2.5-VL, M-RoPE
 positions): logits within 1e-4 of HF's LlavaOnevisionForConditionalGeneration /
-Qwen2_5_VLForConditionalGeneration for prompts with one image, two images of different sizes
-(LLaVA-OneVision's multi-image mode) and none."""
+LlavaNextForConditionalGeneration / Qwen2_5_VLForConditionalGeneration for prompts with one image,
+two images of different sizes (LLaVA-OneVision's multi-image mode) and none."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tiny_vlm import (
     expand_prompt,
     hf_image_kwargs,
     make_tiny_llava,
+    make_tiny_llava_next,
     make_tiny_qwen_vl,
     random_image,
 )
@@ -36,6 +37,7 @@ from tiny_vlm import (
 IMAGES = {"wide": (48, 150), "square": (100, 100), "tall": (130, 50)}
 FAMILIES = {  # family: (checkpoint maker, an image's placeholder ids, image token, (user, assistant) ids)
     "llava": (make_tiny_llava, [IMAGE_TOKEN], IMAGE_TOKEN, (124, 125)),
+    "next": (make_tiny_llava_next, [IMAGE_TOKEN], IMAGE_TOKEN, (124, 125)),
     "qwen": (make_tiny_qwen_vl, [QWEN_VISION_START, QWEN_IMAGE_TOKEN, QWEN_VISION_END], QWEN_IMAGE_TOKEN, (120, 121)),
 }
 
@@ -89,7 +91,7 @@ def test_onevision_single_and_multi_image_modes_are_cached_apart(checkpoint):
     """The same image encodes differently alone (anyres grid) and beside another (one tile)."""
     family, _, _, encoder, support = checkpoint
     if family != "llava":
-        pytest.skip("Qwen2.5-VL reads an image the same alone or beside others")
+        pytest.skip("only LLaVA-OneVision reads an image differently beside others")
     image = data_url(random_image(*IMAGES["wide"], seed=0))
     alone = asyncio.run(support.prepare_all([(image, "image")]))[0]
     paired = asyncio.run(support.prepare_all([(image, "image"), (image, "image")]))[0]
