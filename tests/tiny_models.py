@@ -65,16 +65,21 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0) -> transformers.P
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    randomize_weights(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def randomize_weights(model: torch.nn.Module) -> None:
+    """Every parameter random: norm scales near 1, biases and matrices around 0."""
     with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
+            elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
 
 
 def save_tiny_tokenizer(directory: Path, vocab_size: int = 256) -> None:

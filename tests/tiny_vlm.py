@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tiny_models import randomize_weights
+
 TILE = 60
 PINPOINTS = [[h * TILE, w * TILE] for h, w in [[1, 1], [1, 2], [2, 1], [2, 2], [1, 3], [3, 1]]]
 VOCAB = 128
@@ -50,14 +52,7 @@ def make_tiny_llava(directory: Path, seed: int = 0):
         image_grid_pinpoints=PINPOINTS, vision_aspect_ratio="anyres_max_2", image_token_index=IMAGE_TOKEN,
         video_token_index=126, tie_word_embeddings=False)
     model = LlavaOnevisionForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # everything random, so a misplaced weight shows
-            if name.endswith("norm.weight") or "layer_norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize_weights(model)  # everything random, so a misplaced weight shows
     model.save_pretrained(directory, safe_serialization=True)
     processor = LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE}, image_grid_pinpoints=PINPOINTS,
                                                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
@@ -162,8 +157,7 @@ def expand_prompt(support, prompt: list[int], images: list[Image.Image]):
     """The server's path for a prompt's images: loaded, preprocessed, placeholders expanded."""
     import asyncio
 
-    prepared = asyncio.run(support.prepare_all([(data_url(im), "image") for im in images]))
-    return support.expand(prompt, prepared, "image")
+    return asyncio.run(support.load_into(prompt, [(data_url(im), "image") for im in images], "image"))
 
 
 def hf_image_kwargs(family: str, ids: list[int], images: list[Image.Image]) -> dict:
@@ -211,14 +205,7 @@ def make_tiny_llava_next(directory: Path, seed: int = 0):
         image_grid_pinpoints=NEXT_PINPOINTS, vision_feature_layer=-2, vision_feature_select_strategy="default",
         image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
     model = LlavaNextForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layer_norm" in name or "layrnorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
+    randomize_weights(model)
     model.save_pretrained(directory, safe_serialization=True)
     next_processor().save_pretrained(directory)
     _save_tokenizer(directory)

@@ -70,11 +70,11 @@ class BucketTable:
 
     def decode_bucket(self, batch: int) -> int:
         """Smallest decode bucket holding `batch` sequences."""
-        return _smallest_at_least(self.decode_buckets, batch, "decode batch")
+        return smallest_at_least(self.decode_buckets, batch, "decode batch")
 
     def prefill_bucket(self, num_tokens: int) -> int:
         """Smallest prefill bucket holding `num_tokens` tokens."""
-        return _smallest_at_least(self.prefill_buckets, num_tokens, "prefill tokens")
+        return smallest_at_least(self.prefill_buckets, num_tokens, "prefill tokens")
 
     def all_shapes(self) -> list[Shape]:
         """Every shape to compile ahead of time, prefill first, small to large."""
@@ -84,7 +84,8 @@ class BucketTable:
         return f"BucketTable(prefill={list(self.prefill_buckets)}, decode={list(self.decode_buckets)})"
 
 
-def _smallest_at_least(buckets: tuple[int, ...], n: int, what: str) -> int:
+def smallest_at_least(buckets: tuple[int, ...], n: int, what: str) -> int:
+    """The smallest of `buckets` (increasing) holding `n`; ValueError naming `what` past the largest."""
     if n < 0:
         raise ValueError(f"{what} must be non-negative, got {n}")
     i = bisect.bisect_left(buckets, n)

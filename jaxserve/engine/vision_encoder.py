@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine.buckets import powers_of_two
+from jaxserve.engine.buckets import powers_of_two, smallest_at_least
 from jaxserve.engine.embeds import ImageItem
 from jaxserve.models.qwen2_vl_vision import Qwen2VisionTransformer, VisionLayout, vision_layout
 from jaxserve.models.vision import VisionModel, pack_image_features
@@ -63,31 +63,40 @@ class EncoderCache:
             self.num_bytes -= old.nbytes
 
 
-class LlavaEncoder:
-    def __init__(self, model: VisionModel, max_tile_bucket: int = MAX_TILE_BUCKET,
-                 cache_bytes: int = ENCODER_CACHE_BYTES):
+class BucketedEncoder:
+    """What both encoders share: the vision model's parameters, one compiled program per input-size
+    bucket (the model's forward, `_forward`, on the abstract inputs `_abstract` gives for a
+    bucket), and the embeddings cache around `_compute`."""
+
+    unit = "rows"  # what a bucket counts, for the log
+
+    def __init__(self, model: nnx.Module, image_token_id: int, buckets: tuple[int, ...], cache_bytes: int):
         self.cfg = model.cfg
-        self.image_token_id = model.cfg.image_token_index
+        self.image_token_id = image_token_id
         self.graphdef, self.params = nnx.split(model)
-        self.newline = np.asarray(model.image_newline.get_value())
-        self.buckets = powers_of_two(1, max_tile_bucket)
+        self.buckets = buckets
         self.cache = EncoderCache(cache_bytes)
-        self._jitted = jax.jit(self._encode)
+        self._jitted = jax.jit(lambda params, *inputs: self._forward(nnx.merge(self.graphdef, params), *inputs))
         self._programs: dict[int, Any] = {}
 
-    def _encode(self, params: nnx.State, pixels: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params).encode_tiles(pixels)
+    def _forward(self, model: Any, *inputs: Any) -> jax.Array:
+        raise NotImplementedError
+
+    def _abstract(self, bucket: int) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _compute(self, item: ImageItem) -> np.ndarray:
+        raise NotImplementedError
 
     def compile(self) -> dict[int, float]:
-        """Compile every tile bucket now; seconds per bucket."""
-        side = self.cfg.image_size
+        """Compile every bucket now; seconds per bucket."""
         seconds = {}
-        for tiles in self.buckets:
+        for bucket in self.buckets:
             start = time.perf_counter()
-            spec = jax.ShapeDtypeStruct((tiles, 3, side, side), jnp.float32)
-            self._programs[tiles] = self._jitted.lower(self.params, spec).compile()
-            seconds[tiles] = time.perf_counter() - start
-        log.info("compiled the vision encoder for %s tiles in %.1fs", list(self.buckets), sum(seconds.values()))
+            self._programs[bucket] = self._jitted.lower(self.params, *self._abstract(bucket)).compile()
+            seconds[bucket] = time.perf_counter() - start
+        log.info("compiled the vision encoder for %s %s in %.1fs", list(self.buckets), self.unit,
+                 sum(seconds.values()))
         return seconds
 
     def encode(self, item: ImageItem) -> np.ndarray:
@@ -95,80 +104,80 @@ class LlavaEncoder:
         cached = self.cache.get(item.key)
         if cached is not None:
             return cached
-        pixels = np.asarray(item.data.pixel_values, np.float32)  # [tiles, 3, side, side]
-        parts = []
-        largest = self.buckets[-1]
-        for start in range(0, len(pixels), largest):
-            chunk = pixels[start:start + largest]
-            bucket = next(b for b in self.buckets if b >= len(chunk))
-            padded = np.zeros((bucket, *chunk.shape[1:]), np.float32)
-            padded[:len(chunk)] = chunk
-            program = self._programs.get(bucket)
-            if program is None:
-                raise RuntimeError(f"the vision encoder was not compiled for {bucket} tiles")
-            parts.append(np.asarray(program(self.params, padded))[:len(chunk)])
-        embeds = pack_image_features(np.concatenate(parts), item.data.image_size, self.newline, self.cfg)
+        embeds = self._compute(item)
         self.cache.put(item.key, embeds)
         return embeds
 
+    def _bucket(self, num_rows: int) -> int:
+        return smallest_at_least(self.buckets, num_rows, f"an image's {self.unit}")
+
+    def _run(self, rows: np.ndarray, bucket: int, *inputs: Any) -> np.ndarray:
+        """`rows` zero-padded to `bucket` through its program (the padding's outputs included)."""
+        padded = np.zeros((bucket, *rows.shape[1:]), np.float32)
+        padded[:len(rows)] = rows
+        return np.asarray(self._programs[bucket](self.params, padded, *inputs))
+
     def rope_positions(self, prompt_ids: list[int], images: list[ImageItem]) -> tuple[np.ndarray | None, int]:
-        return None, 0  # LLaVA's language models rotate by the token's index
+        return None, 0  # the language model rotates by the token's index
+
+
+class LlavaEncoder(BucketedEncoder):
+    unit = "tiles"
+
+    def __init__(self, model: VisionModel, max_tile_bucket: int = MAX_TILE_BUCKET,
+                 cache_bytes: int = ENCODER_CACHE_BYTES):
+        super().__init__(model, model.cfg.image_token_index, powers_of_two(1, max_tile_bucket), cache_bytes)
+        self.newline = np.asarray(model.image_newline.get_value())
+
+    def _forward(self, model: VisionModel, pixels: jax.Array) -> jax.Array:
+        return model.encode_tiles(pixels)
+
+    def _abstract(self, bucket: int) -> tuple[Any, ...]:
+        side = self.cfg.image_size
+        return (jax.ShapeDtypeStruct((bucket, 3, side, side), jnp.float32),)
+
+    def _compute(self, item: ImageItem) -> np.ndarray:
+        pixels = np.asarray(item.data.pixel_values, np.float32)  # [tiles, 3, side, side]
+        largest = self.buckets[-1]
+        parts = []
+        for start in range(0, len(pixels), largest):
+            chunk = pixels[start:start + largest]
+            parts.append(self._run(chunk, self._bucket(len(chunk)))[:len(chunk)])
+        return pack_image_features(np.concatenate(parts), item.data.image_size, self.newline, self.cfg)
 
 
 MIN_PATCH_BUCKET = 64
 
 
-class QwenVLEncoder:
+class QwenVLEncoder(BucketedEncoder):
+    unit = "patches"
+
     def __init__(self, model: Qwen2VisionTransformer, image_token_id: int, max_patches: int,
                  cache_bytes: int = ENCODER_CACHE_BYTES):
         """max_patches: the most patch rows one image can have (the image processor's max_pixels)."""
-        self.cfg = model.cfg
-        self.image_token_id = image_token_id
-        self.graphdef, self.params = nnx.split(model)
-        unit = self.cfg.merge_unit
+        unit = model.cfg.merge_unit
         largest = -(-max_patches // unit) * unit
-        self.buckets = powers_of_two(min(MIN_PATCH_BUCKET, largest), largest)
-        self.cache = EncoderCache(cache_bytes)
-        self._jitted = jax.jit(self._encode)
-        self._programs: dict[int, Any] = {}
+        super().__init__(model, image_token_id, powers_of_two(min(MIN_PATCH_BUCKET, largest), largest), cache_bytes)
 
-    def _encode(self, params: nnx.State, pixels: jax.Array, layout: VisionLayout) -> jax.Array:
-        return nnx.merge(self.graphdef, params).encode(pixels, layout)
+    def _forward(self, model: Qwen2VisionTransformer, pixels: jax.Array, layout: VisionLayout) -> jax.Array:
+        return model.encode(pixels, layout)
 
-    def compile(self) -> dict[int, float]:
-        """Compile every patch bucket now; seconds per bucket."""
-        seconds = {}
+    def _abstract(self, bucket: int) -> tuple[Any, ...]:
         unit, i32 = self.cfg.merge_unit, jnp.int32
-        for patches in self.buckets:
-            start = time.perf_counter()
-            layout = VisionLayout(
-                window_index=jax.ShapeDtypeStruct((patches // unit,), i32),
-                reverse_index=jax.ShapeDtypeStruct((patches // unit,), i32),
-                window_segments=jax.ShapeDtypeStruct((patches,), i32),
-                full_segments=jax.ShapeDtypeStruct((patches,), i32),
-                rope_positions=jax.ShapeDtypeStruct((patches, 2), i32))
-            pixels = jax.ShapeDtypeStruct((patches, self.cfg.patch_dim), jnp.float32)
-            self._programs[patches] = self._jitted.lower(self.params, pixels, layout).compile()
-            seconds[patches] = time.perf_counter() - start
-        log.info("compiled the vision encoder for %s patches in %.1fs", list(self.buckets), sum(seconds.values()))
-        return seconds
+        layout = VisionLayout(
+            window_index=jax.ShapeDtypeStruct((bucket // unit,), i32),
+            reverse_index=jax.ShapeDtypeStruct((bucket // unit,), i32),
+            window_segments=jax.ShapeDtypeStruct((bucket,), i32),
+            full_segments=jax.ShapeDtypeStruct((bucket,), i32),
+            rope_positions=jax.ShapeDtypeStruct((bucket, 2), i32))
+        return jax.ShapeDtypeStruct((bucket, self.cfg.patch_dim), jnp.float32), layout
 
-    def encode(self, item: ImageItem) -> np.ndarray:
-        """The image's embeddings [item.num_tokens, text_hidden] (from the cache when it has them)."""
-        cached = self.cache.get(item.key)
-        if cached is not None:
-            return cached
+    def _compute(self, item: ImageItem) -> np.ndarray:
         pixels = np.asarray(item.data.pixel_values, np.float32)  # [patches, patch_dim]
-        bucket = next((b for b in self.buckets if b >= len(pixels)), None)
-        if bucket is None:
-            raise ValueError(f"an image of {len(pixels)} patches is over the largest bucket {self.buckets[-1]}")
-        padded = np.zeros((bucket, pixels.shape[1]), np.float32)
-        padded[:len(pixels)] = pixels
+        bucket = self._bucket(len(pixels))
         layout = vision_layout(self.cfg, [tuple(item.data.grid_thw)], bucket)
         # A copy: a slice would keep the whole padded bucket alive in the cache.
-        embeds = np.asarray(self._programs[bucket](self.params, padded, layout))[:item.num_tokens].copy()
-        self.cache.put(item.key, embeds)
-        return embeds
+        return self._run(pixels, bucket, layout)[:item.num_tokens].copy()
 
     def rope_positions(self, prompt_ids: list[int], images: list[ImageItem]) -> tuple[np.ndarray, int]:
         grids = [tuple(item.data.grid_thw) for item in images]

@@ -72,10 +72,21 @@ class ImageSupport:
                                       f"({self.image_token}) for {num_images} image{'s' * (num_images != 1)}; "
                                       "it needs one per image")
 
+    async def load_into(self, prompt: list[int], specs: list[tuple[str, str]],
+                        param: str) -> tuple[list[int], list[ImageItem]]:
+        """A request's path: the prompt's placeholders checked against its images (each (spec,
+        parameter name)) before any is loaded, then the images loaded and preprocessed and the
+        placeholders expanded (`expand`)."""
+        self.check_placeholders(prompt, len(specs), param)
+        return self._expand(prompt, await self.prepare_all(specs))
+
     def expand(self, prompt: list[int], images: list[PreparedImage], param: str) -> tuple[list[int], list[ImageItem]]:
         """The prompt with its i-th placeholder token repeated for images[i]'s tokens, and where
         each image's tokens are."""
         self.check_placeholders(prompt, len(images), param)
+        return self._expand(prompt, images)
+
+    def _expand(self, prompt: list[int], images: list[PreparedImage]) -> tuple[list[int], list[ImageItem]]:
         ids: list[int] = []
         items: list[ImageItem] = []
         pending = iter(images)

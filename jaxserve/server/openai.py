@@ -445,9 +445,7 @@ async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[
     hold no placeholder). Elsewhere the prompt as it is."""
     if state.images is None:
         return prompt, []
-    state.images.check_placeholders(prompt, len(urls or []), urls[0][1] if urls else param)
-    prepared = await state.images.prepare_all(urls or [])
-    return state.images.expand(prompt, prepared, urls[0][1] if urls else param)
+    return await state.images.load_into(prompt, urls or [], urls[0][1] if urls else param)
 
 
 def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

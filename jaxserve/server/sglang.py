@@ -122,10 +122,6 @@ class _Prompt:
     images: list[ImageItem] = dataclasses.field(default_factory=list)
     embeds: tuple[EmbedSpan, ...] = ()
 
-    @property
-    def image_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.images)
-
 
 async def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[_Prompt], bool]:
     """The prompts (token ids, with their images or embeddings), and whether the request was a batch."""
@@ -167,9 +163,7 @@ async def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[_Promp
     check_count(sum(map(len, images)), state.images.policy, "image_data")
     out = []
     for ids, specs in zip(prompts, images):
-        state.images.check_placeholders(ids, len(specs), "image_data")
-        prepared = await state.images.prepare_all(specs)
-        out.append(_Prompt(*state.images.expand(ids, prepared, "image_data")))
+        out.append(_Prompt(*await state.images.load_into(ids, specs, "image_data")))
     return out, batch
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from jaxserve.config import CacheConfig, Config, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.core import Engine
-from jaxserve.server.app import serve_async
-from jaxserve.startup import start_engine
+from jaxserve.server.app import create_app, serve_async
+from jaxserve.startup import image_input, start_engine
 from smollm2 import smollm2_gguf
 
 MODEL = "smollm2"
@@ -96,3 +96,12 @@ def wait_idle(async_engine: AsyncEngine, timeout: float = 30.0) -> None:
                                  f"{len(async_engine.stats.request_ids)} requests")
         time.sleep(0.05)
     time.sleep(0.6)  # let the engine thread drain pending abort commands
+
+
+def serve(config: Config, name: str) -> tuple[LiveServer, AsyncEngine]:
+    """The server `python -m jaxserve` would start for `config` (images included), on a free port."""
+    engine = start_engine(config)[0]
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, engine.tokenizer, name, engine.info.max_model_len,
+                     images=image_input(config, engine))
+    return start_server(app), async_engine

@@ -8,10 +8,7 @@ import openai
 import pytest
 
 from jaxserve.config import CacheConfig, Config, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
-from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import create_app
-from jaxserve.startup import image_input, start_engine
-from live_server import start_server
+from live_server import serve
 from tiny_vlm import QWEN_IMAGE_TOKEN, data_url, hf_greedy, make_tiny_qwen_vl, random_image
 
 pytestmark = pytest.mark.slow
@@ -29,10 +26,7 @@ def served(tmp_path_factory, cache_dir):
         parallel=ParallelConfig(), server=ServerConfig(), cache=CacheConfig(page_size=4, num_pages=120),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_seqs=2),
         compilation_cache_dir=cache_dir / "xla")
-    engine = start_engine(config)[0]
-    async_engine = AsyncEngine(engine)
-    live = start_server(create_app(async_engine, engine.tokenizer, MODEL, engine.info.max_model_len,
-                                   images=image_input(config, engine)))
+    live, async_engine = serve(config, MODEL)
     yield hf, openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     live.close()
     async_engine.shutdown()

@@ -15,11 +15,8 @@ import pytest
 from PIL import Image
 
 from jaxserve.config import CacheConfig, Config, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.multimodal.media import MediaPolicy
-from jaxserve.server.app import create_app
-from jaxserve.startup import image_input, start_engine
-from live_server import start_server
+from live_server import serve
 from tiny_vlm import IMAGE_TOKEN, data_url, hf_greedy, make_tiny_llava, random_image
 
 pytestmark = pytest.mark.slow
@@ -42,11 +39,7 @@ def vlm(tmp_path_factory, cache_dir):
         media=MediaPolicy(allowed_local_media_path=media, max_images=2, max_image_pixels=300 * 300),
         compilation_cache_dir=cache_dir / "xla",
     )
-    engine = start_engine(config)[0]
-    async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, engine.tokenizer, MODEL, engine.info.max_model_len,
-                     images=image_input(config, engine))
-    live = start_server(app)
+    live, async_engine = serve(config, MODEL)
     yield hf, live, media
     live.close()
     async_engine.shutdown()
