@@ -4,11 +4,13 @@
                                 [--input-len 128] [--output-len 128] [--no-hf] [--json out.json]
                                 [--load-format dummy] [--attention-backend auto]
                                 [--matmul-backend auto] [--layouts sharded unsharded]
+                                [--kv-cache-dtype auto fp8_e4m3]
 
 `--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
 tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
 unannotated single-device step, and prints the ratio, to show the mesh costs nothing.
-`--matmul-backend xla cpu` likewise runs XLA's products and the native CPU kernel's in turn.
+`--matmul-backend xla cpu` likewise runs XLA's products and the native CPU kernel's in turn, and
+`--kv-cache-dtype auto fp8_e4m3` a cache of the model's dtype and an 8-bit one.
 On a GPU, give `--load-format dummy` with a directory from `python -m benchmarks.dummy_model`
 to time real architectures (Llama-3-8B...) with random weights; JAX_PLATFORMS defaults to cpu
 here, so set JAX_PLATFORMS=cuda there.
@@ -41,7 +43,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
                  load_format: str = "auto", attention_backend: str = "auto", matmul_backend: str = "auto",
                  sharded: bool = True, max_num_batched_tokens: int | None = None, overlap: bool = True,
-                 decode_steps: int = 1) -> dict:
+                 decode_steps: int = 1, kv_cache_dtype: str = "auto") -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
@@ -54,7 +56,7 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
     max_c = max(concurrency)
     max_len = input_len + output_len + 16
     config = EngineConfig(
-        cache=CacheConfig(page_size=16, num_pages=max_c * (-(-max_len // 16)) + 8),
+        cache=CacheConfig(page_size=16, num_pages=max_c * (-(-max_len // 16)) + 8, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_c, max_num_batched_tokens=max_num_batched_tokens or max(256, input_len),
                                   max_prefill_seqs=4, max_model_len=max_len, decode_steps=decode_steps),
         attention_backend=resolve_backend(attention_backend),
@@ -142,6 +144,9 @@ def main() -> None:
                    help="finish each step before starting the next (EngineConfig.overlap=False), to time the overlap")
     p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
                    help="decode iterations per device step to compare (each its own run)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                   choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's dtype, as the server's flag; several run in turn")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:
@@ -161,14 +166,17 @@ def main() -> None:
         for layout in args.layouts:
             for matmul in args.matmul_backend:
                 for k in args.decode_steps:
-                    key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
-                    key += f"/K{k}" if len(args.decode_steps) > 1 else ""
-                    entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
-                                              load_format=args.load_format, attention_backend=args.attention_backend,
-                                              matmul_backend=matmul, sharded=layout == "sharded",
-                                              max_num_batched_tokens=args.max_num_batched_tokens,
-                                              overlap=not args.no_overlap, decode_steps=k)
-                    gc.collect()  # one run's weights and KV cache must be gone before the next loads
+                    for kv in args.kv_cache_dtype:
+                        key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
+                        key += f"/K{k}" if len(args.decode_steps) > 1 else ""
+                        key += f"/kv {kv}" if len(args.kv_cache_dtype) > 1 else ""
+                        entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
+                                                  load_format=args.load_format,
+                                                  attention_backend=args.attention_backend, matmul_backend=matmul,
+                                                  sharded=layout == "sharded",
+                                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                                  overlap=not args.no_overlap, decode_steps=k, kv_cache_dtype=kv)
+                        gc.collect()  # one run's weights and KV cache must be gone before the next loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)
         report["results"][dtype] = entry
@@ -178,7 +186,7 @@ def main() -> None:
     print(f"\nmodel {args.model} on {report['device']}, {args.input_len} in / {args.output_len} out, greedy")
     runs = [k for k in report["results"][args.dtype[0]] if k != "hf"]
     base = runs[-1]
-    print(f"{'dtype':<9} {'run':<14} {'attention':<10} {'matmul':<6} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
+    print(f"{'dtype':<9} {'run':<18} {'attention':<10} {'matmul':<6} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
           f"{'HF tok/s':>9} {'vs HF':>6} {'vs ' + base:>16}")
     for dtype, entry in report["results"].items():
         for layout in runs:
@@ -190,7 +198,7 @@ def main() -> None:
                 ratio = f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:>5.2f}x" if hf else f"{'-':>6}"
                 other = entry[base]["per_concurrency"][c]["output_tokens_per_s"]
                 vs = f"{ours['output_tokens_per_s'] / other:.3f}x"
-                print(f"{dtype:<9} {layout:<14} {ours_all['attention']:<10} {ours_all['matmul']:<6} {c:>4} "
+                print(f"{dtype:<9} {layout:<18} {ours_all['attention']:<10} {ours_all['matmul']:<6} {c:>4} "
                       f"{ours['output_tokens_per_s']:>9.1f} {ours['median_step_ms']:>8.2f} {hf_s} {ratio} {vs:>16}")
 
 

@@ -4,7 +4,9 @@
 #
 #   bash benchmarks/gpu_suite.sh [OUT_DIR [STEP...]]   # OUT_DIR: default $OUT (the device tool's) or benchmarks/out/gpu_suite
 #
-# STEPs: correctness kernels step_profile serving (default: all, ~20 minutes). The device tool runs
+# STEPs: correctness kernels step_profile serving (default: all, ~20 minutes), and on request
+# kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
+# fp8: it doubles the tokens that fit, so the concurrency-256 wave needs no preemption). The device tool runs
 # at most 10 minutes per command, so there: `... $OUT correctness kernels`, then `... $OUT
 # step_profile`, then `... $OUT serving` (same lease; each brings back its own summary).
 #
@@ -86,12 +88,29 @@ if wanted step_profile; then
       --decode-steps "$k" --repeats 20 --engine-requests 1 64
   done
 fi
+if wanted kernels_fp8; then
+  run kernels_fp8 180 "$py" -m benchmarks.kernels --batch 1 64 256 --context 2048 --page-size 16 \
+    --prefill-chunk 2048 --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --out "$out/kernels_fp8.json"
+fi
+if wanted step_profile_fp8; then
+  run step_profile_fp8_k8 270 "$py" -m benchmarks.step_profile --model "$model" --load-format dummy \
+    --layouts sharded --decode-buckets 1 64 256 --prefill-bucket 2048 --context 1000 --num-pages 32800 \
+    --kv-cache-dtype fp8 --decode-steps 8 --repeats 20 --engine-requests 1 64
+fi
 if wanted serving; then
   SWEEP=${SWEEP:-1,16,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \
     SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} \
     run serving 580 bash benchmarks/gpu_serving.sh "$out/serving" auto
   if [[ -z "${DRY_RUN:-}" && -f "$out/serving/gpu_serving.tgz" ]]; then
     cp "$out/serving/gpu_serving.tgz" "$out/serving.tgz"  # the device tool returns files two folders deep
+  fi
+fi
+if wanted serving_fp8; then
+  SWEEP=${SWEEP:-1,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} \
+    run serving_fp8 580 bash benchmarks/gpu_serving.sh "$out/serving_fp8" auto --kv-cache-dtype fp8
+  if [[ -z "${DRY_RUN:-}" && -f "$out/serving_fp8/gpu_serving.tgz" ]]; then
+    cp "$out/serving_fp8/gpu_serving.tgz" "$out/serving_fp8.tgz"
   fi
 fi
 echo "summary: $summary"

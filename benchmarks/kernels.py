@@ -53,6 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--layers", type=int, default=2, help="layers of the stacked KV cache the kernels index into")
+    p.add_argument("--cache-dtype", choices=["same", "fp8_e4m3", "fp8_e5m2"], default="same",
+                   help="the KV cache's dtype: --dtype's, or an 8-bit one (--kv-cache-dtype fp8*; jax's own kernel "
+                   "takes no 8-bit cache, so it is skipped)")
     p.add_argument("--prefill-chunk", type=int, nargs="*", default=[512, 2048], help="new tokens per sequence")
     p.add_argument("--prefill-seqs", type=int, default=4, help="sequences per prefill call")
     p.add_argument("--prefill-page-size", type=int, default=16)
@@ -159,8 +162,9 @@ def _random_cache(rng, *, batch, context, page_size, kv_heads, head_dim, dtype, 
     shape = (layers, kv_heads, num_pages, page_size, head_dim)
     # Drawn on the device: a host-side float32 draw of a large cache would take tens of GB of RAM.
     key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(2**31))))
-    k = jax.random.normal(key_k, shape, dtype)
-    v = jax.random.normal(key_v, shape, dtype)
+    draw = jnp.float32 if jnp.dtype(dtype).itemsize == 1 else dtype  # no normal draws straight to float8
+    k = jax.jit(lambda key: jax.random.normal(key, shape, draw).astype(dtype))(key_k)
+    v = jax.jit(lambda key: jax.random.normal(key, shape, draw).astype(dtype))(key_v)
     tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
     return k, v, jnp.asarray(tables, jnp.int32), pages_per_seq
 
@@ -172,6 +176,12 @@ def _close(a, b) -> bool:
     return bool(np.isfinite(a).all() and np.allclose(a, b, atol=3e-2, rtol=3e-2))
 
 
+def cache_dtype(args: argparse.Namespace) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.dtype({"same": args.dtype, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[args.cache_dtype])
+
+
 def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
@@ -180,7 +190,7 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     from pallas_kernels.gpu_paged_attention import paged_decode_attention_gpu
     from pallas_kernels.paged_attention import paged_decode_attention_reference
 
-    dtype = jnp.dtype(args.dtype)
+    dtype, kv_dtype = jnp.dtype(args.dtype), cache_dtype(args)
     scale = args.head_dim**-0.5
     limit = _memory_limit(device, args.memory_fraction)
     rng = np.random.default_rng(0)
@@ -188,14 +198,14 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
     for page_size in args.page_size:
         for context in args.context:
             for batch in args.batch:
-                kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * dtype.itemsize  # one layer
+                kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * kv_dtype.itemsize  # one layer
                 # the stacked pages + jax's one-layer copy + the dense reference's gathered copy
                 if limit is not None and (args.layers + 2) * kv_bytes > limit:
                     rows.append(dict(batch=batch, context=context, page_size=page_size, skipped="does not fit"))
                     continue
                 k, v, tables, pages_per_seq = _random_cache(
                     rng, batch=batch, context=context, page_size=page_size, kv_heads=args.kv_heads,
-                    head_dim=args.head_dim, dtype=dtype, layers=args.layers,
+                    head_dim=args.head_dim, dtype=kv_dtype, layers=args.layers,
                 )  # fmt: skip
                 q = jnp.asarray(rng.standard_normal((batch, args.q_heads, args.head_dim), dtype=np.float32), dtype)
                 lengths = jnp.full((batch,), context, jnp.int32)
@@ -235,7 +245,7 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                     for stages in args.num_stages
                 ]
                 measure("ours", paged_decode_attention_gpu, ours)
-                if not args.skip_jax:
+                if not args.skip_jax and kv_dtype == dtype:
                     measure("jax", _jax_paged_attention(scale, device.platform != "gpu"), _jax_configs(pages_per_seq),
                             one_layer_call)
                 measure("xla", paged_decode_attention_reference, [dict(scale=scale, chunk_pages=pages_per_seq)])
@@ -280,7 +290,7 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
     from pallas_kernels.kv_write import write_kv
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
-    dtype = jnp.dtype(args.dtype)
+    dtype, kv_dtype = jnp.dtype(args.dtype), cache_dtype(args)
     scale = args.head_dim**-0.5
     rng = np.random.default_rng(1)
     rows = []
@@ -288,7 +298,7 @@ def bench_prefill(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]
         seqs, page_size = args.prefill_seqs, args.prefill_page_size
         k, v, tables, pages_per_seq = _random_cache(
             rng, batch=seqs, context=chunk, page_size=page_size, kv_heads=args.kv_heads, head_dim=args.head_dim,
-            dtype=dtype, layers=args.layers,
+            dtype=kv_dtype, layers=args.layers,
         )  # fmt: skip
         layer = jnp.int32(args.layers - 1)
         total = seqs * chunk

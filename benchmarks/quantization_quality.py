@@ -1,7 +1,7 @@
 """Greedy-token agreement of a quantized model with the unquantized one (issue #18's report):
 
     .venv/bin/python -m benchmarks.quantization_quality [--model PATH] [--quantization int8|int4|auto]
-        [--quantization-group-size 32]
+        [--quantization-group-size 32] [--kv-cache-dtype fp8_e4m3|fp8_e5m2]
         [--dtype bfloat16] [--reference-dtype float32] [--max-tokens 64] [--json OUT]
 
 Twenty fixed chat prompts, each answered greedily (temperature 0, `--max-tokens` tokens, EOS
@@ -10,8 +10,10 @@ asked quantization, through the offline `LLM` (the server's engine). Reports per
 of the common prefix, and over all prompts: answers identical, mean common prefix, and the share
 of positions whose tokens agree. Greedy decoding amplifies the first differing token, so the
 common prefix is the telling number. For scale, `--quantization none --reference-dtype float32`
-measures how far bfloat16 alone moves the answers from float32's. The perplexity comparison lives
-in tests/model/test_quantized_quality.py.
+measures how far bfloat16 alone moves the answers from float32's. `--kv-cache-dtype` quantizes the
+KV cache of the compared run as the server's flag does (`--quantization none --kv-cache-dtype fp8`:
+the 8-bit cache alone); the reference keeps the model's dtype. The perplexity comparison lives in
+tests/model/test_quantized_quality.py.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ PROMPTS = [
 ]
 
 
-def answers(model: str | None, dtype: str, quantization: str, max_tokens: int, group: int = 32) -> list[list[int]]:
+def answers(model: str | None, dtype: str, quantization: str, max_tokens: int, group: int = 32,
+            kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Greedy token ids of every prompt's answer."""
     from jaxserve.engine.request import SamplingParams
     from jaxserve.llm import LLM
 
-    llm = LLM(model, dtype=dtype, quantization=quantization, quantization_group_size=group, max_model_len=512)
+    llm = LLM(model, dtype=dtype, quantization=quantization, quantization_group_size=group, max_model_len=512,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     llm.close()
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="int8", choices=["auto", "none", "int8", "int4"],
                    help="auto on a GGUF keeps its blocks (the server's default for the packaged SmolLM2)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the compared run's KV cache, as the server's flag (the reference's is --reference-dtype)")
     p.add_argument("--reference-dtype", default=None, help="the unquantized reference's dtype (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the report here")
@@ -90,13 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     reference_dtype = args.reference_dtype or args.dtype
     base = answers(args.model, reference_dtype, "none", args.max_tokens)
     gc.collect()  # one engine's KV cache at a time
-    other = answers(args.model, args.dtype, args.quantization, args.max_tokens, args.quantization_group_size)
+    other = answers(args.model, args.dtype, args.quantization, args.max_tokens, args.quantization_group_size,
+                    args.kv_cache_dtype)
     report = {"model": args.model or "SmolLM2-135M-Instruct (packaged)", "dtype": args.dtype,
               "reference_dtype": reference_dtype, "quantization": args.quantization,
-              "group_size": args.quantization_group_size, "max_tokens": args.max_tokens,
+              "group_size": args.quantization_group_size, "kv_cache_dtype": args.kv_cache_dtype,
+              "max_tokens": args.max_tokens,
               **compare(base, other)}
-    print(f"{args.dtype} {args.quantization} vs {reference_dtype} none, {len(PROMPTS)} prompts x {args.max_tokens} greedy "
-          f"tokens: {report['identical']}/{report['prompts']} answers identical, mean common prefix "
+    kv = f" kv {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    print(f"{args.dtype} {args.quantization}{kv} vs {reference_dtype} none, {len(PROMPTS)} prompts x "
+          f"{args.max_tokens} greedy tokens: {report['identical']}/{report['prompts']} answers identical, "
+          "mean common prefix "
           f"{report['mean_common_prefix']:.1f} tokens, {100 * report['position_agreement']:.1f}% of positions agree")
     print("common prefix per prompt:", report["common_prefix"])
     if args.json:

@@ -47,11 +47,12 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
                             prefill_buckets=(args.prefill_bucket,), decode_steps=args.decode_steps)
     start = time.perf_counter()
     engine = build_engine(ready.loaded.model, ready.tokenizer, EngineConfig(
-        cache=CacheConfig(page_size=16, num_pages=args.num_pages), scheduler=sched,
+        cache=CacheConfig(page_size=16, num_pages=args.num_pages, kv_cache_dtype=args.kv_cache_dtype), scheduler=sched,
         attention_backend=resolve_backend(args.attention_backend)))
     runner, builder = engine.runner, engine.builder
     lines = [f"{layout}: compiled {len(engine.compile_seconds)} shapes in {time.perf_counter() - start:.1f}s, "
-             f"attention {runner.attention_backend}, up to {args.decode_steps} decode iterations per step"]
+             f"attention {runner.attention_backend}, KV cache {runner.kv.k.dtype}, up to {args.decode_steps} decode "
+             "iterations per step"]
     kv = runner.kv.k
     dims = ",".join(map(str, kv.shape))
     for key, compiled in runner.compiled_steps.items():
@@ -64,7 +65,7 @@ def profile(args: argparse.Namespace, layout: str) -> list[str]:
     page = engine.info.page_size
     pages_per_seq = -(-args.context // page)
     for size in args.decode_buckets:
-        if size * pages_per_seq + 1 > args.num_pages:
+        if size * pages_per_seq + 1 > runner.kv.num_pages:  # the pages the engine made (it may cut --num-pages)
             lines.append(f"{layout} decode {size:>5}: skipped (needs {size * pages_per_seq + 1} pages)")
             continue
         # Rows 0..size-1 (greedy padding parameters) with `context` tokens of pages each.
@@ -129,6 +130,8 @@ def main() -> None:
     p.add_argument("--prefill-bucket", type=int, default=1024)
     p.add_argument("--context", type=int, default=1000, help="tokens of context per sequence")
     p.add_argument("--num-pages", type=int, default=6000)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's dtype, as the server's flag")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device step")
     p.add_argument("--engine-requests", type=int, nargs="*", default=[1, 64],

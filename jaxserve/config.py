@@ -45,6 +45,12 @@ class ModelConfig:
         return (self.served_model_name, *self.served_model_aliases)
 
 
+# --kv-cache-dtype: "auto" (the model's dtype), "bfloat16" (for a float32 model), or an 8-bit float
+# cache, "fp8" (= "fp8_e4m3") or "fp8_e5m2": vLLM's names (jaxserve.engine.kv_cache maps them to
+# dtypes). No cache wider than the model's: its keys and values would hold nothing more.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
@@ -52,6 +58,7 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.9  # of the memory left after weights (accelerators)
     cpu_kv_cache_bytes: int = 2 * 2**30  # KV budget on the CPU, where "free device memory" is the host's
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

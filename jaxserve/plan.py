@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxserve.config import KV_CACHE_DTYPES
+
 GiB = 1 << 30
 # Compiler options of the byte-counting compile: memory-space assignment judges every prefetch
 # into VMEM inefficient, so none happens (see the module doc).
@@ -81,6 +83,7 @@ class Plan:
     max_model_len: int
     steps: list[StepReport] = dataclasses.field(default_factory=list)
     error: str | None = None
+    kv_dtype: str = "bfloat16"
 
     @property
     def kv_tokens(self) -> int:
@@ -144,13 +147,13 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
          kv_cache_memory_fraction: float = 0.9, decode_buckets: tuple[int, ...] | None = None,
          prefill_buckets: tuple[int, ...] | None = None, attention_backend: str = "pallas_tpu",
          serving_compile: bool = True, kinds: tuple[str, ...] = ("prefill", "decode"),
-         quantization: str = "none") -> Plan:
+         quantization: str = "none", kv_cache_dtype: str = "auto") -> Plan:
     """Compile every step of the configuration for `topology` and measure it (see the module doc).
     serving_compile=False compiles the decode steps only once, for the byte count (their memory
     figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms).
     quantization: the weights' form, as --quantization (int8: one byte per weight, and a scale
     per output channel; int4: half a byte, and a float16 scale and minimum per group of 32 rows,
-    the head int8)."""
+    the head int8). kv_cache_dtype: as --kv-cache-dtype (fp8: one byte per cached value)."""
     import jax
     import jax.numpy as jnp
 
@@ -158,12 +161,13 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.engine.build import largest_steps, scratch_reserve
     from jaxserve.engine.device_batch import abstract_batch
-    from jaxserve.engine.kv_cache import KVCache, bytes_per_page
+    from jaxserve.engine.kv_cache import KVCache, bytes_per_page, cache_dtype
     from jaxserve.engine.programs import StepPrograms
     from jaxserve.engine.step_inputs import StepInputBuilder
     from jaxserve.parallel import ShardingPlan
 
     jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
+    kv_dtype = cache_dtype(kv_cache_dtype, jdtype)
     max_model_len = max_model_len or cfg.max_position_embeddings
     mesh = topology_mesh(topology, tensor_parallel_size)
     chip = mesh.devices.flat[0].device_kind
@@ -186,14 +190,14 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     programs = StepPrograms(graphdef, cfg, page_size=page_size, attention_backend=attention_backend, mesh=mesh,
                             params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, params))
     batch = abstract_batch(max_num_seqs + 1, cfg.vocab_size, max_pages_per_seq, sharding.replicated())
-    kv_page = -(-bytes_per_page(cfg, page_size, jdtype) // sharding.kv_shards)
+    kv_page = -(-bytes_per_page(cfg, page_size, kv_dtype) // sharding.kv_shards)
 
     def kv(pages: int) -> KVCache:
         shape = KVCache.shape(cfg, pages, page_size)
-        return KVCache(*(jax.ShapeDtypeStruct(shape, jdtype, sharding=sharding.kv_cache()) for _ in range(2)))
+        return KVCache(*(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding.kv_cache()) for _ in range(2)))
 
     result = Plan(topology, chip, tensor_parallel_size, hbm, bandwidth, per_chip_bytes(params),
-                  per_chip_bytes(batch), 0, kv_page, 0, page_size, max_model_len)
+                  per_chip_bytes(batch), 0, kv_page, 0, page_size, max_model_len, kv_dtype=kv_dtype.name)
     # Read per step: every weight but the embedding, of which a step looks up a few rows (a tied
     # embedding is also the LM head, which reads it whole).
     read_weights = result.weights_bytes
@@ -285,7 +289,7 @@ def format_plan(p: Plan) -> str:
         f"per chip: weights {p.weights_bytes / GiB:.2f} GiB, device batch {p.batch_bytes / 2**20:.1f} MiB, "
         f"largest step's scratch {p.scratch_bytes / GiB:.2f} GiB",
         f"KV cache: {p.num_pages} pages of {p.page_size} tokens = {p.kv_tokens:,} tokens "
-        f"({p.kv_bytes / GiB:.2f} GiB per chip); max_model_len {p.max_model_len}",
+        f"({p.kv_bytes / GiB:.2f} GiB per chip, {p.kv_dtype}); max_model_len {p.max_model_len}",
     ]
     if p.steps:
         lines.append(f"{'step':<8} {'tokens':>6} {'seqs':>5} {'compile s':>9} {'scratch MiB':>11} "
@@ -325,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")
     p.add_argument("--max-prefill-seqs", type=int, default=4, help="most prompts in one prefill step")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype, as the server's flag: auto = --dtype; fp8 (= fp8_e4m3) and fp8_e5m2 "
+                   "hold a byte per value, twice the tokens of bfloat16 and half the KV bytes per step")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: sized as the server does)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                    help="share of the HBM left after weights that the KV cache may take")
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
                   page_size=args.page_size, num_pages=args.num_pages,
                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend,
-                  quantization=args.quantization)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     print(format_plan(result))
     if args.json:
         Path(args.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pallas_kernels._common import select_kernel
+from pallas_kernels._common import select_kernel, to_cache_dtype
 from pallas_kernels.kv_write import validate_write_inputs, write_kv
 from pallas_kernels.paged_attention import PALLAS_KERNELS as _DECODE_KERNELS
 from pallas_kernels.paged_attention import paged_decode_attention_reference, validate_decode_inputs
@@ -53,6 +53,7 @@ __all__ = [
     "get_ragged_attention",
     "paged_decode_attention_reference",
     "ragged_paged_attention_reference",
+    "to_cache_dtype",
     "validate_decode_inputs",
     "validate_ragged_inputs",
     "validate_write_inputs",

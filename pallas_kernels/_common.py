@@ -250,7 +250,21 @@ def check_int(name: str, x: Any) -> None:
 
 def check_float(name: str, x: Any) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating-point array (float32 or bfloat16), got dtype {x.dtype}")
+        raise ValueError(
+            f"{name} must be a floating-point array (float32, bfloat16 or, for a cache, float8), got dtype {x.dtype}"
+        )
+
+
+def to_cache_dtype(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` rounded to the cache's dtype. An 8-bit float cache (scale 1.0: it holds the values
+    themselves, as vLLM's fp8 cache without calibrated scales) saturates at its largest finite value:
+    a plain cast would turn an out-of-range key into NaN (float8_e4m3fn has no infinity) or inf
+    (float8_e5m2), and one such key poisons every later softmax of its sequence."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) and x.dtype != dtype:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(dtype)
 
 
 PAGES_SHAPE = "[num_kv_heads, num_pages, page_size, head_dim] (or [num_layers, ...] with layer)"

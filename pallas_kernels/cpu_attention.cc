@@ -12,6 +12,13 @@
 // bfloat16 dot instructions, and the probabilities are rounded to bfloat16 for p.v (softmax max
 // and sum stay float32).
 //
+// An 8-bit float cache (float8_e4m3fn or float8_e5m2: `--kv-cache-dtype fp8*`, which stores the
+// values themselves) is read under float32 or bfloat16 queries: each block's rows are widened as
+// they are read, exactly (to float32, or to bfloat16 for the AVX512-BF16 path; every float8 value
+// is exact in both). A step moves half the bytes of a bfloat16 cache, and the products are the
+// references', which widen the same stored values to float32 (the AVX512-BF16 path still rounds
+// the probabilities for p.v, as for a bfloat16 cache).
+//
 // Semantics are the references' (pallas_kernels/ragged_paged_attention.py): query row i of
 // sequence b sits at position kv_lens[b] - q_len_b + i; key position k is visible iff k <= qpos and
 // (window == 0 or qpos - k < window); logits are q.k * scale, soft-capped as tanh(s / cap) * cap
@@ -51,8 +58,66 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's conve
   return static_cast<uint16_t>(u >> 16);
 }
 
+// One element of an 8-bit float cache (vLLM's fp8 KV cache with a scale of 1.0: the values
+// themselves, rounded). Two distinct one-byte types, so that templates over the cache's element
+// type tell the formats apart.
+struct f8e4m3fn {  // bias 7, subnormals, no infinities; 0x7f / 0xff are NaN
+  uint8_t bits;
+};
+struct f8e5m2 {  // bias 15, IEEE-like: subnormals, infinities, NaNs
+  uint8_t bits;
+};
+
+// Exact widening of a float8 element to float32's bits. A normal's exponent and mantissa move into
+// float32's fields with one shift and a rebias. A subnormal (exponent field 0, zero included) is
+// its mantissa, converted from an integer, times the format's smallest subnormal, so no float32
+// denormal is ever formed: XLA may run with denormals flushed to zero, and denormal operands are
+// slow. Every case is computed and picked with masks, not branches: GCC will not speculate a float
+// multiply written under a condition (it may trap, under the default -ftrapping-math), and the
+// branch left behind keeps load_row's `omp simd` loop scalar.
+inline uint32_t f32_bits_of(f8e4m3fn x) {
+  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  const float sub_f = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-9f;
+  uint32_t sub;
+  std::memcpy(&sub, &sub_f, sizeof sub);
+  const uint32_t normal = (mag << 20) + ((127u - 7u) << 23);
+  const uint32_t is_sub = 0u - (mag < 8u), is_nan = 0u - (mag == 0x7fu);  // all ones or zero
+  const uint32_t u = (sub & is_sub) | (normal & ~is_sub);
+  return ((0x7fc00000u & is_nan) | (u & ~is_nan)) | sign;  // 0x7f, 0xff: the only NaNs (no infinities)
+}
+
+inline uint32_t f32_bits_of(f8e5m2 x) {
+  const uint32_t mag = x.bits & 0x7fu, sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  const float sub_f = static_cast<float>(static_cast<int32_t>(mag)) * 0x1p-16f;
+  uint32_t sub;
+  std::memcpy(&sub, &sub_f, sizeof sub);
+  const uint32_t is_sub = 0u - (mag < 4u), is_top = 0u - (mag >= 0x7cu);
+  // exponent 31 (infinities, NaNs) goes to 255, the others are rebiased by 127 - 15
+  const uint32_t normal = (mag << 21) + ((127u - 15u) << 23) + (is_top & ((255u - 31u - (127u - 15u)) << 23));
+  return ((sub & is_sub) | (normal & ~is_sub)) | sign;
+}
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int n);
+
+template <typename F8>
+inline void load_row_f8(const F8* src, float* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    const uint32_t u = f32_bits_of(src[i]);
+    std::memcpy(dst + i, &u, sizeof u);
+  }
+}
+
+template <>
+inline void load_row<f8e4m3fn>(const f8e4m3fn* src, float* dst, int n) {
+  load_row_f8(src, dst, n);
+}
+
+template <>
+inline void load_row<f8e5m2>(const f8e5m2* src, float* dst, int n) {
+  load_row_f8(src, dst, n);
+}
 
 template <>
 inline void load_row<float>(const float* src, float* dst, int n) {
@@ -250,10 +315,11 @@ inline bool softmax_step(v16 s16, const v16& visible, float softcap, float& m, f
 // One task: `rows` query rows of one sequence, the `group` q heads of one kv head, in one pass
 // over the keys with an online softmax. Keys come in blocks of up to 16 within one page; each block
 // is widened to float32 once and serves every query of the task. head_dim must be a multiple of 16.
-template <typename T, int DV>
+// T is the queries' and the output's element type, C the cache's (T, or a float8 format).
+template <typename T, typename C, int DV>
 void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
   const int64_t d = 16 * DV, group = p.q_heads / p.kv_heads, nq = t.rows * group, start = t.start;
-  const Keys<T> keys(p, t, d);
+  const Keys<C> keys(p, t, d);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   scratch.resize(static_cast<size_t>(2 * nq * d + kKeys * d + 2 * nq + nq * kKeys));
@@ -280,7 +346,7 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
   for (int64_t pos = keys.lo; pos < keys.hi;) {
     int64_t off;
     const int64_t count = keys.block(pos, &off);
-    for (int64_t j = 0; j < count; ++j) load_row<T>(keys.k_layer + off + j * d, kb + j * d, static_cast<int>(d));
+    for (int64_t j = 0; j < count; ++j) load_row<C>(keys.k_layer + off + j * d, kb + j * d, static_cast<int>(d));
 
     // Logits and probabilities of the block, query by query.
     bool any = false;
@@ -299,7 +365,7 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
       }
     }
     if (any) {  // probabilities times values; a zero probability never touches a (maybe NaN) value
-      for (int64_t j = 0; j < count; ++j) load_row<T>(keys.v_layer + off + j * d, kb + j * d, static_cast<int>(d));
+      for (int64_t j = 0; j < count; ++j) load_row<C>(keys.v_layer + off + j * d, kb + j * d, static_cast<int>(d));
       for (int64_t i = 0; i < nq; ++i) {  // query-major: the query's output stays in registers
         const float* pi = pb + i * kKeys;
         float* a = acc + i * d;
@@ -328,19 +394,70 @@ void run_task_dv(const Problem& p, const Task& t, std::vector<float>& scratch) {
 }
 
 #if JAXSERVE_BF16_DOT
-// run_task_dv for a bfloat16 cache on a CPU with AVX512-BF16: no widening of keys or values.
+// A block's cache rows as bfloat16 for run_task_bf16. A bfloat16 cache is read in place.
+template <typename C>
+struct Bf16Rows {
+  template <int D>
+  const uint16_t* rows(const uint16_t* src, int64_t, uint16_t*) const { return src; }
+};
+
+// A float8 cache's rows are widened into `buf` (every float8 value is exact in bfloat16: fewer
+// mantissa bits, a narrower exponent range) through a table of the bfloat16 bits of all 128
+// magnitudes, taken from f32_bits_of once and held in four registers: two two-table word permutes
+// and a blend per 32 elements, then the sign. NaN stays NaN.
+template <typename F8>
+struct Bf16RowsF8 {
+  __m512i lut[4];
+
+  Bf16RowsF8() {
+    static const std::vector<uint16_t> table = [] {
+      std::vector<uint16_t> t(128);
+      for (int i = 0; i < 128; ++i) t[i] = static_cast<uint16_t>(f32_bits_of(F8{static_cast<uint8_t>(i)}) >> 16);
+      return t;
+    }();
+    for (int i = 0; i < 4; ++i) lut[i] = _mm512_loadu_si512(table.data() + 32 * i);
+  }
+
+  template <int D>
+  const uint16_t* rows(const F8* src, int64_t count, uint16_t* buf) const {
+    constexpr int NC = (D + 31) / 32;
+    constexpr uint64_t kLast = D % 32 == 0 ? 0xffffffffu : 0xffffu;
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    for (int64_t j = 0; j < count; ++j)
+      for (int c = 0; c < NC; ++c) {
+        const uint64_t mask = c == NC - 1 ? kLast : 0xffffffffu;
+        const __m512i bytes = _mm512_maskz_loadu_epi8(mask, b + j * D + c * 32);
+        const __m512i x = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(bytes));
+        const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+        const __m512i w = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)),
+                                                  _mm512_permutex2var_epi16(lut[0], mag, lut[1]),
+                                                  _mm512_permutex2var_epi16(lut[2], mag, lut[3]));
+        const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+        _mm512_mask_storeu_epi16(buf + j * D + c * 32, static_cast<__mmask32>(mask), _mm512_or_si512(w, sign));
+      }
+    return buf;
+  }
+};
+template <>
+struct Bf16Rows<f8e4m3fn> : Bf16RowsF8<f8e4m3fn> {};
+template <>
+struct Bf16Rows<f8e5m2> : Bf16RowsF8<f8e5m2> {};
+
+// run_task_dv for bfloat16 queries over a bfloat16 cache on a CPU with AVX512-BF16: no widening of
+// keys or values. A float8 cache (C) takes the same path, its block's rows widened to bfloat16 first.
 // q.k runs VDPBF16PS over pairs of head dims (exact bf16 products, float32 sums, scaled after, as
 // the reference does); p.v runs it over pairs of keys, with the probabilities rounded to bfloat16
 // for that product (the softmax's max and sum stay float32; flash-attention kernels do the same).
 // A pair's second key past the block's end is a zero row, so an unwritten (NaN) slot is never
 // read. Values are interleaved in pairs once per block for every query of the task; the
 // interleave permutes head dims within each 32-dim chunk, undone once when the output is stored.
-template <int DV>
+template <typename C, int DV>
 void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch) {
   constexpr int D = 16 * DV, NC = (D + 31) / 32;  // head dims; 32-dim chunks
   constexpr uint32_t kLastMask = D % 32 == 0 ? 0xffffffffu : 0xffffu;
   const int64_t group = p.q_heads / p.kv_heads, nq = t.rows * group, start = t.start;
-  const Keys<uint16_t> keys(p, t, D);
+  const Keys<C> keys(p, t, D);
+  const Bf16Rows<C> widen;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   auto chunk_mask = [](int c) { return static_cast<__mmask32>(c == NC - 1 ? kLastMask : 0xffffffffu); };
 
@@ -350,9 +467,10 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
   float* l = m + nq;
   float* pb = l + nq;  // [nq, kKeys]
   thread_local std::vector<uint16_t> bf;
-  bf.resize(static_cast<size_t>(nq * NC * 32 + kKeys * NC * 32));
+  bf.resize(static_cast<size_t>(nq * NC * 32 + kKeys * NC * 32 + (std::is_same_v<C, uint16_t> ? 0 : kKeys * D)));
   uint16_t* qb = bf.data();  // [nq, NC, 32] queries, zero padded
   uint16_t* vb = qb + nq * NC * 32;  // [kKeys / 2, NC, 2, 32]: value rows interleaved in pairs
+  uint16_t* wide = vb + kKeys * NC * 32;  // [kKeys, D] a float8 block's keys, then its values
 
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   uint16_t* out = static_cast<uint16_t*>(p.out);
@@ -369,7 +487,7 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
   for (int64_t pos = keys.lo; pos < keys.hi;) {
     int64_t off;
     const int64_t count = keys.block(pos, &off);
-    const uint16_t* kblk = keys.k_layer + off;
+    const uint16_t* kblk = widen.template rows<D>(keys.k_layer + off, count, wide);
 
     bool any = false;
     for (int64_t r = 0; r < t.rows; ++r) {
@@ -394,7 +512,7 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
     }
     if (any) {
       const int64_t pairs = (count + 1) / 2;
-      const uint16_t* vblk = keys.v_layer + off;
+      const uint16_t* vblk = widen.template rows<D>(keys.v_layer + off, count, wide);
       for (int64_t jp = 0; jp < pairs; ++jp)
         for (int c = 0; c < NC; ++c) {
           const __m512i r0 = _mm512_maskz_loadu_epi16(chunk_mask(c), vblk + (2 * jp) * D + c * 32);
@@ -440,41 +558,41 @@ void run_task_bf16(const Problem& p, const Task& t, std::vector<float>& scratch)
 }
 #endif  // JAXSERVE_BF16_DOT
 
-template <typename T>
+template <typename T, typename C>
 void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   // head_dim / 16 as a constant, so a query's output and the key block's rows stay in registers.
   // The head dims listed in cpu_attention.HEAD_DIMS; Attention() refuses the others.
 #if JAXSERVE_BF16_DOT
   if constexpr (std::is_same_v<T, uint16_t>) {
     switch (p.head_dim / 16) {
-      case 1: return run_task_bf16<1>(p, t, scratch);
-      case 2: return run_task_bf16<2>(p, t, scratch);
-      case 3: return run_task_bf16<3>(p, t, scratch);
-      case 4: return run_task_bf16<4>(p, t, scratch);
-      case 5: return run_task_bf16<5>(p, t, scratch);
-      case 6: return run_task_bf16<6>(p, t, scratch);
-      case 7: return run_task_bf16<7>(p, t, scratch);
-      case 8: return run_task_bf16<8>(p, t, scratch);
-      case 12: return run_task_bf16<12>(p, t, scratch);
-      default: return run_task_bf16<16>(p, t, scratch);
+      case 1: return run_task_bf16<C, 1>(p, t, scratch);
+      case 2: return run_task_bf16<C, 2>(p, t, scratch);
+      case 3: return run_task_bf16<C, 3>(p, t, scratch);
+      case 4: return run_task_bf16<C, 4>(p, t, scratch);
+      case 5: return run_task_bf16<C, 5>(p, t, scratch);
+      case 6: return run_task_bf16<C, 6>(p, t, scratch);
+      case 7: return run_task_bf16<C, 7>(p, t, scratch);
+      case 8: return run_task_bf16<C, 8>(p, t, scratch);
+      case 12: return run_task_bf16<C, 12>(p, t, scratch);
+      default: return run_task_bf16<C, 16>(p, t, scratch);
     }
   }
 #endif
   switch (p.head_dim / 16) {
-    case 1: return run_task_dv<T, 1>(p, t, scratch);
-    case 2: return run_task_dv<T, 2>(p, t, scratch);
-    case 3: return run_task_dv<T, 3>(p, t, scratch);
-    case 4: return run_task_dv<T, 4>(p, t, scratch);
-    case 5: return run_task_dv<T, 5>(p, t, scratch);
-    case 6: return run_task_dv<T, 6>(p, t, scratch);
-    case 7: return run_task_dv<T, 7>(p, t, scratch);
-    case 8: return run_task_dv<T, 8>(p, t, scratch);
-    case 12: return run_task_dv<T, 12>(p, t, scratch);
-    default: return run_task_dv<T, 16>(p, t, scratch);
+    case 1: return run_task_dv<T, C, 1>(p, t, scratch);
+    case 2: return run_task_dv<T, C, 2>(p, t, scratch);
+    case 3: return run_task_dv<T, C, 3>(p, t, scratch);
+    case 4: return run_task_dv<T, C, 4>(p, t, scratch);
+    case 5: return run_task_dv<T, C, 5>(p, t, scratch);
+    case 6: return run_task_dv<T, C, 6>(p, t, scratch);
+    case 7: return run_task_dv<T, C, 7>(p, t, scratch);
+    case 8: return run_task_dv<T, C, 8>(p, t, scratch);
+    case 12: return run_task_dv<T, C, 12>(p, t, scratch);
+    default: return run_task_dv<T, C, 16>(p, t, scratch);
   }
 }
 
-template <typename T, typename Pool>
+template <typename T, typename C, typename Pool>
 void run_all(const Problem& p, Pool& pool) {
   std::vector<Task> tasks;
   T* out = static_cast<T*>(p.out);
@@ -506,7 +624,7 @@ void run_all(const Problem& p, Pool& pool) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());  // before `tasks` moves into the lambda
   jaxserve::parallel_for(pool, num_tasks, [p, tasks = std::move(tasks)](int64_t i) {
     thread_local std::vector<float> scratch;  // grows to the largest task a thread has run
-    run_task<T>(p, tasks[i], scratch);
+    run_task<T, C>(p, tasks[i], scratch);
   });
 }
 
@@ -517,9 +635,17 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   const auto qd = q.dimensions(), kd = k.dimensions(), pd = page_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
     return ffi::Error::InvalidArgument("cpu paged attention: q must be 3-D, the cache 5-D, page_tables 2-D");
-  if (q.element_type() != k.element_type() || k.element_type() != v.element_type() ||
-      out->element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("cpu paged attention: q, the cache and the output must share a dtype");
+  const ffi::DataType qt = q.element_type(), ct = k.element_type();
+  const bool fp8_cache = ct == ffi::DataType::F8E4M3FN || ct == ffi::DataType::F8E5M2;
+  // A narrower cache under float32 queries (--dtype float32 --kv-cache-dtype bfloat16 or fp8) is
+  // widened as it is read, as a float8 one is under bfloat16 queries.
+  const bool narrower_cache = fp8_cache || (qt == ffi::DataType::F32 && ct == ffi::DataType::BF16);
+  if ((ct != qt && !narrower_cache) || v.element_type() != ct || out->element_type() != qt)
+    return ffi::Error::InvalidArgument(
+        "cpu paged attention: q and the output must share a dtype, and the cache too unless it is narrower "
+        "(float8, or bfloat16 under float32 queries)");
+  if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu paged attention: q must be float32 or bfloat16");
   if (static_cast<int64_t>(cu_q_lens.element_count()) != pd[0] + 1 ||
       static_cast<int64_t>(kv_lens.element_count()) != pd[0] || num_seqs.element_count() != 1 ||
       layer.element_count() != 1 || window.element_count() != 1)
@@ -554,12 +680,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   if (p.head_dim % 16 != 0 || dv < 1 || (dv > 8 && dv != 12 && dv != 16))
     return ffi::Error::InvalidArgument("cpu paged attention: head_dim must be 16..128 in steps of 16, 192 or 256");
   if (p.layer < 0 || p.layer >= kd[0]) return ffi::Error::InvalidArgument("cpu paged attention: layer out of range");
-  if (q.element_type() == ffi::DataType::F32) {
-    run_all<float>(p, pool);
-  } else if (q.element_type() == ffi::DataType::BF16) {
-    run_all<uint16_t>(p, pool);
+  const bool f32 = qt == ffi::DataType::F32;
+  if (ct == ffi::DataType::F8E4M3FN) {
+    f32 ? run_all<float, f8e4m3fn>(p, pool) : run_all<uint16_t, f8e4m3fn>(p, pool);
+  } else if (ct == ffi::DataType::F8E5M2) {
+    f32 ? run_all<float, f8e5m2>(p, pool) : run_all<uint16_t, f8e5m2>(p, pool);
+  } else if (ct == ffi::DataType::BF16) {
+    f32 ? run_all<float, uint16_t>(p, pool) : run_all<uint16_t, uint16_t>(p, pool);
   } else {
-    return ffi::Error::InvalidArgument("cpu paged attention: dtype must be float32 or bfloat16");
+    run_all<float, float>(p, pool);
   }
   return ffi::Error::Success();
 }

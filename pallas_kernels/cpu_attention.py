@@ -6,6 +6,8 @@ them), backend name "cpu". XLA:CPU runs the pure-jnp references' page gathers as
 and writes the gathered keys and values out, widened to float32, before the products read them:
 on SmolLM2 with 16 sequences that was ~20 ms of a ~50 ms decode step. The kernel reads each
 page row once, straight from the cache, for a whole group of query heads and a block of query rows.
+An 8-bit cache (`--kv-cache-dtype fp8*`) is read as stored and widened exactly in the kernel, under
+float32 or bfloat16 queries: half the bytes of a bfloat16 cache per step.
 
 The source is compiled on first use for this machine (`native.build`). `available()` says
 whether that worked; without a compiler the engine's "auto" backend stays on the reference (with a warning),
@@ -35,7 +37,10 @@ SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "jaxserve_cpu_paged_attention"
 # What the kernel computes; anything else goes to the pure-jnp reference (same results, slower).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
-DTYPES = (jnp.float32, jnp.bfloat16)
+DTYPES = (jnp.float32, jnp.bfloat16)  # of the queries and the output, and of a cache like them
+# An 8-bit cache (`--kv-cache-dtype fp8*`, scale 1.0) under queries of either DTYPES: the kernel
+# widens its elements exactly as it reads them, which is what the references' float32 upcast does.
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @functools.cache
@@ -62,11 +67,17 @@ def available() -> bool:
 
 
 def supports(head_dim: int, dtype: Any, q_dtype: Any = None) -> bool:
-    """Whether the kernel computes this head_dim and cache dtype, with queries of that same dtype
-    (else the reference does: it keeps float32 queries over a bfloat16 cache in float32)."""
-    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+    """Whether the kernel computes this head_dim and cache dtype under queries of `q_dtype` (None:
+    any it takes): queries of the cache's own dtype, float32 / bfloat16 ones over a float8 cache,
+    or float32 ones over a bfloat16 cache (each widened as it is read). Else the reference does."""
+    if head_dim not in HEAD_DIMS:
         return False
-    return head_dim in HEAD_DIMS and any(jnp.dtype(dtype) == jnp.dtype(d) for d in DTYPES)
+    dtype = jnp.dtype(dtype)
+    if dtype in map(jnp.dtype, FP8_DTYPES):
+        return q_dtype is None or jnp.dtype(q_dtype) in map(jnp.dtype, DTYPES)
+    if q_dtype is not None and jnp.dtype(q_dtype) == jnp.float32 and dtype == jnp.bfloat16:
+        return True
+    return dtype in map(jnp.dtype, DTYPES) and (q_dtype is None or jnp.dtype(q_dtype) == dtype)
 
 
 def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array, cu_q_lens: jax.Array,

@@ -80,8 +80,9 @@ def block_logits(
     head_dim = k_pages_ref.shape[3]
     block_k = pages_per_block * k_pages_ref.shape[2]
     ids = page_tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-    k = k_pages_ref[layer, ids].reshape(block_k, head_dim)
-    v = v_pages_ref[layer, ids].reshape(block_k, head_dim)
+    # An 8-bit cache is widened to q's dtype after the load: memory moves only its 8-bit pages.
+    k = k_pages_ref[layer, ids].reshape(block_k, head_dim).astype(q.dtype)
+    v = v_pages_ref[layer, ids].reshape(block_k, head_dim).astype(q.dtype)
     s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
     return apply_softcap(s, softcap), v
 

@@ -24,6 +24,7 @@ from pallas_kernels._common import (
     check_shape,
     concrete_or_none,
     stacked_cache,
+    to_cache_dtype,
     validate_layer,
 )
 
@@ -61,7 +62,7 @@ def write_kv(
         # count. XLA:CPU (the CPU serving path) is 2-4x slower on rows than on whole tokens, so the
         # row form is for TPU only.
         return jax.lax.platform_dependent(
-            pages, new.astype(pages.dtype), layer, page, offset, tpu=scatter_head_rows, default=scatter_tokens
+            pages, to_cache_dtype(new, pages.dtype), layer, page, offset, tpu=scatter_head_rows, default=scatter_tokens
         )
 
     k_out, v_out = write(stacked, k_new), write(v_stacked, v_new)

@@ -161,8 +161,9 @@ def attend_page_blocks(
 
         for c in copies(block, slot):
             c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
+        # An 8-bit cache is widened to q's dtype here, in VMEM: HBM moves only its 8-bit pages.
+        k = k_buf[slot].reshape(block_k, head_dim).astype(q.dtype)
+        v = v_buf[slot].reshape(block_k, head_dim).astype(q.dtype)
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )

@@ -22,7 +22,13 @@ from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.core import Engine, ImageEncoder
 from jaxserve.engine.drafting import DraftingRunner
 from jaxserve.engine.info import EngineInfo
-from jaxserve.engine.kv_cache import bytes_per_page, num_pages_for
+from jaxserve.engine.kv_cache import (
+    bytes_per_page,
+    cache_dtype,
+    check_cache_dtype,
+    num_pages_for,
+    triton_safe_pages,
+)
 from jaxserve.engine.pages import PageAllocator
 from jaxserve.engine.programs import STEP_KINDS
 from jaxserve.engine.rows import row_params
@@ -86,6 +92,8 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
+    check_cache_dtype(cache_dtype(config.cache.kv_cache_dtype, decoder.dtype), config.attention_backend,
+                      jax.local_devices()[0])
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
     builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds)
@@ -173,7 +181,8 @@ def _runner(decoder: Decoder, config: EngineConfig, num_pages: int, take_weights
                        math.ceil(sched.max_model_len / config.cache.page_size), sched.max_num_seqs + 1,
                        attention_backend=config.attention_backend, matmul_backend=config.matmul_backend,
                        quantization=config.quantization, quantization_group=config.quantization_group, blocks=blocks,
-                       decode_steps=sched.decode_steps, take_weights=take_weights)
+                       decode_steps=sched.decode_steps, take_weights=take_weights,
+                       kv_dtype=cache_dtype(config.cache.kv_cache_dtype, decoder.dtype))
 
 
 def compile_engine(engine: Engine) -> float:
@@ -194,18 +203,23 @@ def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int, draft
     mesh = mesh_of(nnx.state(decoder))
     kv_shards = ShardingPlan(mesh, cfg).kv_shards if mesh is not None else 1
     device = jax.local_devices()[0]
-    num_pages = smallest_over_processes(num_pages_for(config.cache, cfg, decoder.dtype, device, kv_shards,
+    kv_dtype = cache_dtype(config.cache.kv_cache_dtype, decoder.dtype)
+    num_pages = smallest_over_processes(num_pages_for(config.cache, cfg, kv_dtype, device, kv_shards,
                                                       reserve_bytes))
     page_size = config.cache.page_size
-    if draft is not None and config.cache.num_pages is None:
-        # Per device: each cache is split over its own model's kv-head shards.
-        own = bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards
+    # Per device: each cache is split over its own model's kv-head shards.
+    arrays = [bytes_per_page(cfg, page_size, kv_dtype) / 2 / kv_shards]  # one K (or V) array, per page
+    if draft is not None:
         draft_mesh = mesh_of(nnx.state(draft))
         draft_shards = ShardingPlan(draft_mesh, draft.cfg).kv_shards if draft_mesh is not None else 1
-        other = bytes_per_page(draft.cfg, page_size, draft.dtype) / draft_shards
-        num_pages = max(2, int(num_pages * own // (own + other)))
-    log.info("KV cache: %d pages = %d tokens (%.1f MiB%s)", num_pages, num_pages * page_size,
-             num_pages * bytes_per_page(cfg, page_size, decoder.dtype) / kv_shards / 2**20,
+        arrays.append(bytes_per_page(draft.cfg, page_size, cache_dtype(config.cache.kv_cache_dtype, draft.dtype))
+                      / 2 / draft_shards)
+        if config.cache.num_pages is None:
+            num_pages = max(2, int(num_pages * arrays[0] // sum(arrays)))
+    if config.attention_backend == "pallas_gpu" and kv_dtype.itemsize == 1:
+        num_pages = triton_safe_pages(num_pages, arrays)
+    log.info("KV cache: %d pages = %d tokens (%.1f MiB, %s%s)", num_pages, num_pages * page_size,
+             num_pages * bytes_per_page(cfg, page_size, kv_dtype) / kv_shards / 2**20, kv_dtype.name,
              f" per device, split {kv_shards} ways" if kv_shards > 1 else "")
     return num_pages
 

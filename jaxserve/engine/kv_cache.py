@@ -1,8 +1,10 @@
 """The paged KV cache on the device, and how many pages fit.
 
 Layout: k and v are each [num_layers, num_kv_heads, num_pages, page_size, head_dim] -- per layer
-the [kv_heads, pages, page_size, head_dim] layout of `pallas_kernels`, stacked over layers so
-the decoder's layer scan carries one buffer that every step updates in place (donated).
+the [kv_heads, pages, page_size, head_dim] layout of `pallas_kernels`, stacked over layers so one
+buffer per K and V is carried through the layers and updated in place (donated); every kernel and
+write indexes its layer in place. The dtype is the model's, or 8-bit floats (`KV_CACHE_DTYPES`):
+half the bytes per token, so twice the tokens in the same memory and half the KV reads per step.
 Page 0 is the allocator's null page: padding rows write there and nothing valid reads it.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import CacheConfig
+from jaxserve.config import KV_CACHE_DTYPES, CacheConfig
 from jaxserve.models.config import DecoderConfig
 
 log = logging.getLogger("jaxserve.engine")
@@ -46,6 +48,42 @@ class KVCache:
         return KVCache(zeros(), zeros())
 
 
+# --kv-cache-dtype (config.KV_CACHE_DTYPES) -> the cache's dtype (None: the model's). The 8-bit
+# formats are vLLM's and SGLang's: the values themselves rounded to float8, with no scale (vLLM's
+# behaviour without calibrated scales), saturated on write (`pallas_kernels._common.to_cache_dtype`).
+# e4m3 keeps 3 mantissa bits over +-448, e5m2 2 bits over +-57344.
+_DTYPES: dict[str, Any] = {
+    "auto": None,
+    "bfloat16": jnp.bfloat16,
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+assert tuple(_DTYPES) == KV_CACHE_DTYPES
+
+
+def cache_dtype(name: str, model_dtype: Any) -> jnp.dtype:
+    """The KV cache's dtype for a --kv-cache-dtype choice and the model's activation dtype."""
+    if name not in _DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return jnp.dtype(_DTYPES[name] or model_dtype)
+
+
+def check_cache_dtype(dtype: Any, attention_backend: str, device: Any) -> None:
+    """Refuses a cache the GPU kernels cannot read on this GPU: Triton takes float8_e4m3fn only on
+    compute capability 8.9 and up (Ada, Hopper; an A100 is 8.0) and fails inside XLA's compile of
+    the kernel otherwise, a worse place to learn it than start-up."""
+    if attention_backend != "pallas_gpu" or jnp.dtype(dtype) != jnp.float8_e4m3fn:
+        return
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return  # not a CUDA device (ROCm's Triton has its own float8 rules)
+    if tuple(int(x) for x in str(capability).split(".")[:2]) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8 / fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the "
+                         f"Pallas kernels; this {device.device_kind} is {capability}: use fp8_e5m2, or "
+                         "--attention-backend reference")
+
+
 def bytes_per_page(cfg: DecoderConfig, page_size: int, dtype: Any) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
@@ -72,3 +110,25 @@ def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: ja
     if pages < 2:
         raise ValueError(f"only {budget} bytes for the KV cache: not even 2 pages of {per_page} bytes")
     return int(pages)
+
+
+# Pallas's Triton lowering (jax 0.11.2, `_compute_offsets_from_indices`) addresses an operand with
+# 32-bit signed element offsets unless it is over 2**32 bytes: right for 2-byte elements, but a
+# 1-byte array of (2**31, 2**32] bytes has offsets past 2**31 that wrap, and the GPU kernels would
+# read the wrong pages (tests/gpu_lowering pins the rule).
+TRITON_OFFSET_WRAP = (2**31, 2**32)
+
+
+def triton_safe_pages(pages: int, array_page_bytes: list[float]) -> int:
+    """`pages`, or fewer, so that no 8-bit K or V array, of `array_page_bytes` per page each (per
+    device; a draft model's cache is another), lies in `TRITON_OFFSET_WRAP`: cut to 2 GiB, with a
+    warning saying why. For the GPU kernels only."""
+    low, high = TRITON_OFFSET_WRAP
+    safe = pages
+    while any(low < safe * per_page <= high for per_page in array_page_bytes):  # one cut may put another in
+        safe = min(int(low // per_page) for per_page in array_page_bytes if low < safe * per_page <= high)
+    if safe != pages:
+        log.warning("KV cache: %d pages instead of %d: an 8-bit K or V array of 2-4 GiB is addressed with "
+                    "32-bit offsets that wrap in the GPU kernels (jax's Pallas Triton lowering); over 4 GiB "
+                    "it is not", safe, pages)
+    return safe

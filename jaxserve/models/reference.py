@@ -1,14 +1,48 @@
 """Greedy decoding by repeated full no-cache forwards: slow, simple, and the yardstick that the
-engine's paged, batched, chunked paths are compared against token for token."""
+engine's paged, batched, chunked paths are compared against token for token. `RoundedKV` makes the
+same forward see its keys and values as a KV cache of another dtype holds them (an 8-bit cache:
+--kv-cache-dtype fp8), the yardstick for that cache."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
-from jaxserve.models.decoder import Decoder
+from jaxserve.models.decoder import Decoder, DenseAttention
+from pallas_kernels import to_cache_dtype
+
+
+@struct.dataclass
+class RoundedKV:
+    """Dense attention over keys and values rounded to a cache dtype and widened back: what a
+    paged cache of that dtype hands the attention, without a cache."""
+
+    inner: DenseAttention
+    dtype: Any = struct.field(pytree_node=False)
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, window: jax.Array,
+                 layer: jax.Array) -> tuple[jax.Array, Any]:
+        def rounded(x: jax.Array) -> jax.Array:
+            return to_cache_dtype(x, self.dtype).astype(x.dtype)
+
+        return self.inner(q, rounded(k), rounded(v), cache, window, layer)
+
+
+def forward_logits(decoder: Decoder, tokens: jax.Array, kv_dtype: Any = None) -> jax.Array:
+    """[t, vocab] float32 logits of one sequence's no-cache forward; with `kv_dtype`, every key and
+    value rounded to it first (`RoundedKV`)."""
+    tokens = jnp.asarray(tokens)
+    positions = jnp.arange(tokens.shape[0])[None]
+    attend = DenseAttention(positions, jnp.asarray([tokens.shape[0]]), scale=decoder.cfg.scale,
+                            softcap=decoder.cfg.attn_logit_softcap)
+    if kv_dtype is not None:
+        attend = RoundedKV(attend, kv_dtype)
+    hidden, _ = decoder.hidden_states(tokens[None], positions, attend)
+    return decoder.logits(hidden)[0]
 
 
 def greedy_reference(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -30,12 +30,16 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
     assert [line.split("]")[0][1:] for line in _dry(tmp_path, "serving")] == ["serving"]
     summary = (tmp_path / "summary.txt").read_text()
     assert "benchmarks/gpu_serving.sh" in summary
+    # The 8-bit cache's runs only on request, with the server's flag.
+    fp8 = _dry(tmp_path, "kernels_fp8", "step_profile_fp8", "serving_fp8")
+    assert [line.split("]")[0][1:] for line in fp8] == ["kernels_fp8", "step_profile_fp8_k8", "serving_fp8"]
+    assert "--cache-dtype fp8_e4m3" in fp8[0] and all("--kv-cache-dtype fp8" in line for line in fp8[1:])
 
 
 def test_every_flag_it_passes_exists(tmp_path):
     """Each python -m module's --help names every flag the suite gives it (a renamed flag would
     otherwise only show on the GPU, in a lease)."""
-    for line in _dry(tmp_path):
+    for line in _dry(tmp_path) + _dry(tmp_path, "kernels_fp8", "step_profile_fp8"):
         words = shlex.split(line.split("] ", 1)[1])
         if "-m" not in words or words[words.index("-m") + 1] == "pytest":
             continue

@@ -67,9 +67,9 @@ S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 
 
-def cache_struct(model: Model, page_size: int) -> S:
+def cache_struct(model: Model, page_size: int, dtype: Any = BF16) -> S:
     # [num_layers, num_kv_heads, num_pages, page_size, head_dim]: the engine's stacked cache
-    return S((model.num_layers, model.kv_heads, CACHE_TOKENS // page_size, page_size, model.head_dim), BF16)
+    return S((model.num_layers, model.kv_heads, CACHE_TOKENS // page_size, page_size, model.head_dim), dtype)
 
 
 def lower_for_cuda(f, *args: S, donate_argnums: tuple[int, ...] = ()) -> jax.stages.Lowered:
@@ -138,7 +138,7 @@ def check_cache_goes_whole_to_the_kernel(lowered: jax.stages.Lowered, arg_indice
         assert only_kernel, f"cache argument {i} is read by {users}, not only by the kernel"
 
 
-def check_ttir(call: KernelCall) -> None:
+def check_ttir(call: KernelCall, cache_type: str = "bf16") -> None:
     tensor = r"tensor<(\d+)x(\d+)x(\w+)>"
     dots = re.findall(rf"tt\.dot .*: {tensor} \* {tensor} -> {tensor}", call.ttir)
     assert len(dots) == 2, f"{call.name}: expected q.k and p.v, got {dots}"
@@ -147,16 +147,16 @@ def check_ttir(call: KernelCall) -> None:
         assert types == ("bf16", "bf16", "f32"), f"{call.name}: dot {a_type} x {b_type} -> {acc_type}"
         assert min(map(int, (m, k, n))) >= 16, f"{call.name}: a {m}x{k}x{n} dot is below Triton's 16"
     # The cache is over 4 GiB: its loads must use 64-bit offsets (32-bit ones would wrap around).
-    cache_ptrs = re.findall(r"tt\.addptr .*: tensor<[\dx]+!tt\.ptr<bf16>>, tensor<[\dx]+(i\d+)>", call.ttir)
+    cache_ptrs = re.findall(rf"tt\.addptr .*: tensor<[\dx]+!tt\.ptr<{cache_type}>>, tensor<[\dx]+(i\d+)>", call.ttir)
     assert "i64" in cache_ptrs, f"{call.name}: no 64-bit pointer offsets for the cache loads: {cache_ptrs}"
 
 
 # --- decode --------------------------------------------------------------------------------------
 
 
-def decode_args(model: Model, page_size: int, batch: int) -> tuple[S, ...]:
+def decode_args(model: Model, page_size: int, batch: int, cache_dtype: Any = BF16) -> tuple[S, ...]:
     max_pages = MAX_CONTEXT // page_size
-    cache = cache_struct(model, page_size)
+    cache = cache_struct(model, page_size, cache_dtype)
     return (
         S((batch, model.q_heads, model.head_dim), BF16),  # q
         cache,  # k_pages
@@ -206,9 +206,9 @@ def test_decode_kernel_lowers_for_cuda(model_name, page_size, batch):
 PREFILL_TOKENS, PREFILL_SEQS = 2048, 8
 
 
-def ragged_args(model: Model, page_size: int) -> tuple[S, ...]:
+def ragged_args(model: Model, page_size: int, cache_dtype: Any = BF16) -> tuple[S, ...]:
     max_pages = MAX_CONTEXT // page_size
-    cache = cache_struct(model, page_size)
+    cache = cache_struct(model, page_size, cache_dtype)
     return (
         S((PREFILL_TOKENS, model.q_heads, model.head_dim), BF16),  # q
         cache,  # k_pages
@@ -244,6 +244,43 @@ def test_ragged_kernel_lowers_for_cuda(model_name, page_size):
     assert call.grid == (max_work_items(PREFILL_TOKENS, PREFILL_SEQS, q_block), model.kv_heads, 1)
     check_cache_goes_whole_to_the_kernel(lowered, (1, 2))
     check_ttir(call)
+
+
+def twice_the_pages(args: tuple[S, ...]) -> tuple[S, ...]:
+    """Kernel arguments with a cache (arguments 1 and 2) of twice the pages: 8 GiB at a byte a value."""
+    shape = list(args[1].shape)
+    shape[2] *= 2
+    cache = S(tuple(shape), args[1].dtype)
+    return (args[0], cache, cache, *args[3:])
+
+
+@pytest.mark.parametrize("cache_dtype, ttir_type", [(jnp.float8_e4m3fn, "f8E4M3FN"), (jnp.float8_e5m2, "f8E5M2")])
+def test_kernels_lower_for_cuda_over_an_8bit_cache(cache_dtype, ttir_type):
+    """--kv-cache-dtype fp8: both kernels load the 8-bit pages themselves (half the bytes; no
+    widened copy of the cache in XLA) and widen them in registers, so their dots stay bf16 x bf16
+    with float32 accumulation. The cache is 8 GiB per K, as for bfloat16: 64-bit offsets."""
+    model = MODELS["llama3-8b"]
+    for fn, args in ((decode_fn(model), decode_args(model, 16, 64, cache_dtype)),
+                     (ragged_fn(model), ragged_args(model, 16, cache_dtype))):
+        lowered = lower_for_cuda(fn, *twice_the_pages(args))
+        [call] = triton_calls(lowered)
+        check_cache_goes_whole_to_the_kernel(lowered, (1, 2))
+        check_ttir(call, cache_type=ttir_type)
+
+
+def test_an_8bit_cache_of_2_to_4_gib_gets_wrapping_offsets():
+    """Why the engine keeps an 8-bit cache's K and V arrays out of (2, 4] GiB on GPUs
+    (`kv_cache.triton_safe_pages`): the Triton lowering switches to 64-bit element offsets only
+    above 2**32 bytes, so a 1-byte array of exactly 4 GiB (2**32 elements) gets 32-bit ones, which
+    wrap past 2**31. If a jax update changes the rule, this fails: drop the workaround then."""
+    from jaxserve.engine.kv_cache import TRITON_OFFSET_WRAP
+
+    model = MODELS["llama3-8b"]
+    args = decode_args(model, 16, 64, jnp.float8_e4m3fn)
+    assert args[1].size == TRITON_OFFSET_WRAP[1]  # 4 GiB of 1-byte values
+    [call] = triton_calls(lower_for_cuda(decode_fn(model), *args))
+    offsets = re.findall(r"tt\.addptr .*: tensor<[\dx]+!tt\.ptr<f8E4M3FN>>, tensor<[\dx]+(i\d+)>", call.ttir)
+    assert offsets and set(offsets) == {"i32"}, offsets
 
 
 # --- a step: matmul, cache write, attention, donated cache ----------------------------------------
@@ -314,6 +351,8 @@ COMPILE_CASES = {
     "decode-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]), decode_args(MODELS["llama3-8b"], 16, 64)),
     "ragged-llama3-8b": lambda: (ragged_fn(MODELS["llama3-8b"]), ragged_args(MODELS["llama3-8b"], 16)),
     "ragged-llama3-70b": lambda: (ragged_fn(MODELS["llama3-70b"]), ragged_args(MODELS["llama3-70b"], 16)),
+    "decode-fp8-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]),
+                                     twice_the_pages(decode_args(MODELS["llama3-8b"], 16, 64, jnp.float8_e4m3fn))),
 }
 
 

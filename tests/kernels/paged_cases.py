@@ -8,6 +8,7 @@ anything it should not returns NaN or a wrong value.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -70,6 +71,15 @@ def make_cache(
     # Round through the dtype so the naive float64 check sees exactly the kernel's inputs.
     k, v = as_dtype(k, dtype), as_dtype(v, dtype)
     return PagedCache(k, v, page_tables, np.asarray(kv_lens, np.int32))
+
+
+FP8 = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+
+
+def with_cache_dtype(cache: PagedCache, name: str) -> PagedCache:
+    """The cache's pages rounded to an 8-bit float cache (FP8 name), NaN slots kept: the kernels,
+    the reference and the naive check then all read the same rounded values."""
+    return dataclasses.replace(cache, k_pages=cache.k_pages.astype(FP8[name]), v_pages=cache.v_pages.astype(FP8[name]))
 
 
 def stack_layers(pages: np.ndarray, rng: np.random.Generator, *, layer: int, num_layers: int) -> np.ndarray:

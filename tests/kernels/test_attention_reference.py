@@ -168,6 +168,23 @@ def test_write_kv_casts_to_cache_dtype():
     assert float(k_out[0, 1, 1, 0]) == 1.0 and float(k_out.sum()) == 4.0
 
 
+@pytest.mark.parametrize("dtype, top", [(jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)])
+def test_write_kv_rounds_to_an_8bit_cache_and_saturates(dtype, top):
+    """An 8-bit float cache stores the values themselves, rounded to nearest; what lies beyond the
+    format's range is stored as its largest finite value, never as NaN or inf (a plain cast gives
+    NaN for e4m3fn, which has no inf), so one outlier key cannot poison a sequence's softmax."""
+    pages = jnp.zeros((2, 1, 3, 4, 8), dtype)  # stacked: 2 layers, 1 kv head, 3 pages of 4
+    new = jnp.asarray([[[1.0, -2.5, 0.3, 1e6, -1e6, 3.0e4, 1000.0, -0.0]]], jnp.float32)  # [1 token, 1 head, 8]
+    k_out, v_out = jax.jit(write_kv)(pages, pages, new, new, jnp.array([5], jnp.int32), layer=jnp.int32(1))
+    assert k_out.dtype == dtype
+    got = np.asarray(k_out[1, 0, 1, 1], np.float32)
+    expected = np.clip(np.asarray(new[0, 0]), -top, top).astype(dtype).astype(np.float32)
+    np.testing.assert_array_equal(got, expected)
+    assert got[3] == top and got[4] == -top and np.isfinite(got).all()
+    assert np.signbit(got[7])  # -0.0 stays negative
+    assert float(jnp.abs(k_out.astype(jnp.float32)).sum()) == float(np.abs(got).sum())  # nothing else written
+
+
 def _decode_args(**over):
     q, cache = decode_case(0, group=2, dtype="float32", lengths=[3, 7])
     args = dict(q=q, k_pages=cache.k_pages, v_pages=cache.v_pages, page_tables=cache.page_tables, lengths=cache.kv_lens)

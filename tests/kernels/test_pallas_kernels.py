@@ -10,6 +10,7 @@ tolerances are the per-dtype ones of `paged_cases.TOLERANCES`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -26,6 +27,7 @@ from paged_cases import (
     ragged_case,
     run_ragged,
     stack_layers,
+    with_cache_dtype,
 )
 
 from pallas_kernels import (
@@ -128,6 +130,19 @@ def test_ragged_kernel_small_q_block_and_pages(backend):
     """Many items per sequence, one page per block: crosses every item and page edge."""
     batch = ragged_case(48, group=2, dtype="float32", total_tokens=24)
     check_ragged(backend, batch, scale=0.3, windows=(5,), q_block=2, pages_per_block=1)
+
+
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("cache_dtype, q_dtype", [("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float32")])
+def test_kernels_read_an_8bit_cache(backend, cache_dtype, q_dtype):
+    """An 8-bit cache (--kv-cache-dtype fp8*): the kernels widen the stored values exactly, so they
+    agree with the reference and the float64 attention over the same rounded keys and values at the
+    query dtype's usual tolerance; NaN in unwritten slots and other layers still never leaks."""
+    q, cache = decode_case(31, group=4, dtype=q_dtype, head_dim=32)
+    check_decode(backend, q, with_cache_dtype(cache, cache_dtype), scale=32**-0.5, softcap=2.0, windows=(6,))
+    batch = ragged_case(33, group=2, dtype=q_dtype, total_tokens=24, head_dim=32)
+    batch = dataclasses.replace(batch, cache=with_cache_dtype(batch.cache, cache_dtype))
+    check_ragged(backend, batch, scale=32**-0.5, windows=(5,))
 
 
 def test_tpu_interpret_mode_raises_on_out_of_bounds_page_or_layer():

@@ -233,6 +233,62 @@ def test_decode_kernel_cost_is_its_worst_case_kv_reads(tpu_chip, model):
     assert flops >= 4 * batch * q_heads * max_pages * page_size * HEAD_DIM  # q.k and p.v over every key
 
 
+FP8_CASES = [(V5E, "llama3_8b", 16, "float8_e4m3fn"), (V6E, "llama3_70b", 64, "float8_e5m2")]
+
+
+@pytest.mark.parametrize("topology, model, page_size, cache_dtype", FP8_CASES, ids=lambda x: str(x).split(":")[0])
+def test_8bit_cache_steps_compile_in_place_and_read_half(tpu_chip, topology, model, page_size, cache_dtype):
+    """--kv-cache-dtype fp8 on a TPU: Mosaic takes the 8-bit pages (DMA'd as bytes, widened to
+    bfloat16 in VMEM), the write rounds and scatters into the donated 8-bit cache in place, and the
+    decode and ragged kernels' worst-case reads are half those of a bfloat16 cache."""
+    chip = tpu_chip(topology)
+    cdtype = jnp.dtype(cache_dtype)
+    q_heads, max_pages, cache = Q_HEADS[model], CONTEXT // page_size, cache_shape(page_size)
+    decode = functools.partial(get_decode_attention("pallas_tpu"), scale=SCALE, interpret=False)
+    ragged = functools.partial(get_ragged_attention("pallas_tpu"), scale=SCALE, interpret=False)
+
+    def decode_step(q, k_new, v_new, k_pages, v_pages, slots, page_tables, lengths, layer, window):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, slots, layer=layer)
+        return decode(q, k_pages, v_pages, page_tables, lengths, window=window, layer=layer), k_pages, v_pages
+
+    def ragged_step(q, k_new, v_new, k_pages, v_pages, slots, page_tables, cu_q_lens, kv_lens, num_seqs, layer,
+                    window):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, slots, layer=layer)
+        out = ragged(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs, window=window, layer=layer)
+        return out, k_pages, v_pages
+
+    for kind, tokens, seqs in (("decode", DECODE_BATCH, DECODE_BATCH), ("ragged", PREFILL_TOKENS, PREFILL_SEQS)):
+        accessed, held = {}, {}
+        for dtype in (cdtype, DTYPE):  # the same step over a bfloat16 cache, for its bytes
+            new = ((tokens, KV_HEADS, HEAD_DIM), DTYPE)
+            shapes = [((tokens, q_heads, HEAD_DIM), DTYPE), new, new, (cache, dtype), (cache, dtype)]
+            shapes += [((tokens,), jnp.int32), ((seqs, max_pages), jnp.int32)]
+            if kind == "decode":
+                shapes += [((seqs,), jnp.int32), SCALAR, SCALAR]
+            else:
+                shapes += [((seqs + 1,), jnp.int32), ((seqs,), jnp.int32), SCALAR, SCALAR, SCALAR]
+            step = decode_step if kind == "decode" else ragged_step
+            label = f"{kind} {model} p{page_size} {jnp.dtype(dtype).name}"
+            compiled = compile_on(chip, step, shapes, donate=("k_pages", "v_pages"), label=label)
+            check_in_place(compiled, 2 * nbytes(cache, dtype), chip)
+            accessed[jnp.dtype(dtype).name] = bytes_accessed(compiled)
+            held[jnp.dtype(dtype).name] = compiled.memory_analysis().argument_size_in_bytes
+        # The 8-bit pages are held at a byte a value in HBM (no padding of their tiles to 16-bit sizes).
+        assert held[cdtype.name] == pytest.approx(held["bfloat16"] / 2, rel=0.01)
+        eight, sixteen = accessed[cdtype.name], accessed["bfloat16"]
+        print(f"  step bytes accessed: {eight / MiB:.1f} MiB 8-bit, {sixteen / MiB:.1f} MiB bfloat16")
+        # Only the KV reads depend on the cache's dtype: the 8-bit step saves half of them, and
+        # they are at least the worst case the shapes allow (every page-table entry, K and V).
+        if kind == "decode":
+            walks = seqs
+        else:
+            q_block = max(default_q_block(tokens, seqs), -(-8 // (q_heads // KV_HEADS)))  # the kernel's rule
+            walks = max_work_items(tokens, seqs, q_block)
+        assert sixteen - eight >= worst_case_kv_bytes(walks, max_pages, page_size) / 2
+        if kind == "decode":  # reads are KV: the step reads half
+            assert eight == pytest.approx(sixteen / 2, rel=0.01)
+
+
 def test_compiler_rejects_a_kernel_over_vmem(tpu_chip):
     """The other tests mean something only if compile() here runs Mosaic's checks: a kernel whose
     scratch exceeds the chip's VMEM must fail to compile (if a jax/libtpu update defers kernel

@@ -127,7 +127,9 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     tpu_chip("v6e:2x2")
     from jaxserve import plan as plan_module
 
-    small = dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2)  # the command, not the model, is under test
+    # The command, not the model, is under test: 2 layers and a small vocabulary (whose sampler's
+    # compile would otherwise be most of the time).
+    small = dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2, vocab_size=4096)
     (tmp_path / "config.json").write_text(json.dumps(small))
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--tp", "4", "--max-model-len",
                              "2048", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
@@ -176,3 +178,29 @@ def test_int8_weights_halve_the_decode_read(tpu_chip):
     assert 0.45 <= weights["int8"] / weights["none"] <= 0.55
     assert 0.9 <= floor_ratio(int8) <= 1.5, (int8.floor_bytes, int8.bytes_accessed, int8.sampler_bytes)
     assert int8.temp_bytes < bf16.temp_bytes + (64 << 20), (int8.temp_bytes, bf16.temp_bytes)
+
+
+def test_an_8bit_kv_cache_halves_the_page_and_the_kv_read(tpu_chip):
+    """--kv-cache-dtype fp8 planned for one v6e chip (Llama-3-8B's layer shapes, 2 layers to keep
+    the compiles short): a page costs half the bytes (so twice the pages fit what the weights leave),
+    and a long-context decode step reads half the KV bytes of the bfloat16 cache's step."""
+    from jaxserve.models.config import decoder_config_from_hf
+    from jaxserve.plan import format_plan, plan
+
+    tpu_chip("v6e:2x2")
+    # (a small vocabulary too: the sampler's compile, not the model's, is most of the time)
+    cfg = decoder_config_from_hf(dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2, vocab_size=4096))
+    rows, pages_per_row = 16, 8192 // 16
+    plans = {kv: plan(cfg, topology="v6e:2x2", tensor_parallel_size=1, max_model_len=8192, max_num_seqs=rows,
+                      max_num_batched_tokens=256, max_prefill_seqs=4, num_pages=rows * pages_per_row + 1,
+                      decode_buckets=(rows,), kinds=("decode",), serving_compile=False, kv_cache_dtype=kv)
+             for kv in ("auto", "fp8")}
+    bf16, fp8 = plans["auto"], plans["fp8"]
+    assert bf16.error is None and fp8.error is None, (bf16.error, fp8.error)
+    assert fp8.kv_page_bytes * 2 == bf16.kv_page_bytes
+    assert "float8_e4m3fn); max_model_len" in format_plan(fp8) and "bfloat16); max_model_len" in format_plan(bf16)
+    (s16,), (s8,) = bf16.steps, fp8.steps
+    kv_read = rows * pages_per_row * bf16.kv_page_bytes  # every row at max_model_len, bfloat16
+    model = lambda s: s.bytes_accessed - s.sampler_bytes  # noqa: E731
+    assert model(s16) - model(s8) == pytest.approx(kv_read / 2, rel=0.05)
+    assert s8.argument_bytes < s16.argument_bytes - 0.45 * rows * pages_per_row * bf16.kv_page_bytes
