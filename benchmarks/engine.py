@@ -30,6 +30,8 @@ import os
 import statistics
 import time
 
+from jaxserve.config import KV_CACHE_DTYPES
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -144,8 +146,7 @@ def main() -> None:
                    help="finish each step before starting the next (EngineConfig.overlap=False), to time the overlap")
     p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
                    help="decode iterations per device step to compare (each its own run)")
-    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
-                   choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, as the server's flag; several run in turn")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()

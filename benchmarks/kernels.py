@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxserve.config import KV_CACHE_DTYPES
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "kernels.json"
 
 
@@ -53,9 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--layers", type=int, default=2, help="layers of the stacked KV cache the kernels index into")
-    p.add_argument("--cache-dtype", choices=["same", "fp8_e4m3", "fp8_e5m2"], default="same",
-                   help="the KV cache's dtype: --dtype's, or an 8-bit one (--kv-cache-dtype fp8*; jax's own kernel "
-                   "takes no 8-bit cache, so it is skipped)")
+    p.add_argument("--cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's dtype, as the server's --kv-cache-dtype (auto: --dtype; jax's own kernel "
+                   "takes no other cache, so it is skipped then)")
     p.add_argument("--prefill-chunk", type=int, nargs="*", default=[512, 2048], help="new tokens per sequence")
     p.add_argument("--prefill-seqs", type=int, default=4, help="sequences per prefill call")
     p.add_argument("--prefill-page-size", type=int, default=16)
@@ -177,9 +179,9 @@ def _close(a, b) -> bool:
 
 
 def cache_dtype(args: argparse.Namespace) -> Any:
-    import jax.numpy as jnp
+    from jaxserve.engine.kv_cache import cache_dtype as of_name
 
-    return jnp.dtype({"same": args.dtype, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[args.cache_dtype])
+    return of_name(args.cache_dtype, args.dtype)
 
 
 def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ import json
 import sys
 from typing import Any
 
+from jaxserve.config import KV_CACHE_DTYPES
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="int8", choices=["auto", "none", "int8", "int4"],
                    help="auto on a GGUF keeps its blocks (the server's default for the packaged SmolLM2)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the compared run's KV cache, as the server's flag (the reference's is --reference-dtype)")
     p.add_argument("--reference-dtype", default=None, help="the unquantized reference's dtype (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)

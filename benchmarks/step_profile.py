@@ -24,6 +24,8 @@ import re
 import statistics
 import time
 
+from jaxserve.config import KV_CACHE_DTYPES
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -130,7 +132,7 @@ def main() -> None:
     p.add_argument("--prefill-bucket", type=int, default=1024)
     p.add_argument("--context", type=int, default=1000, help="tokens of context per sequence")
     p.add_argument("--num-pages", type=int, default=6000)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, as the server's flag")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device step")

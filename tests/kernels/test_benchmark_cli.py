@@ -21,7 +21,7 @@ def test_defaults_are_the_issue_grid():
     assert args.page_size == [16, 32]
     assert (args.q_heads, args.kv_heads, args.head_dim, args.dtype) == (32, 8, 128, "bfloat16")
     assert args.prefill_chunk == [512, 2048]
-    assert args.cache_dtype == "same" and bench.parse_args(["--cache-dtype", "fp8_e5m2"]).cache_dtype == "fp8_e5m2"
+    assert args.cache_dtype == "auto" and bench.parse_args(["--cache-dtype", "fp8_e5m2"]).cache_dtype == "fp8_e5m2"
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--q-heads", "6"], ["--dtype", "int8"], ["--layers", "0"]])
@@ -39,7 +39,7 @@ def test_refuses_without_a_gpu(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache_dtype", ["same"])  # "fp8_e4m3" passes too (2026-11-25), in 45 s more
+@pytest.mark.parametrize("cache_dtype", ["auto"])  # "fp8_e4m3" passes too (2026-11-25), in 45 s more
 def test_smoke_run_on_cpu(tmp_path, cache_dtype):
     """The whole script end to end at toy sizes (kernels interpreted), so it does not first break on
     the H100; an 8-bit cache has no jax-kernel baseline and half the bytes."""
@@ -50,8 +50,8 @@ def test_smoke_run_on_cpu(tmp_path, cache_dtype):
     assert bench.main(argv.split()) == 0
     result = json.loads(out.read_text())
     [row] = result["decode"]
-    baselines = {"jax"} if cache_dtype == "same" else set()
+    baselines = {"jax"} if cache_dtype == "auto" else set()
     assert {"ours", "xla", "xla_chunk"} | baselines <= set(row) and "wrong" not in row
-    assert row["kv_bytes"] == 2 * 2 * 32 * 2 * 16 * (2 if cache_dtype == "same" else 1)
+    assert row["kv_bytes"] == 2 * 2 * 32 * 2 * 16 * (2 if cache_dtype == "auto" else 1)
     [row] = result["prefill"]
     assert {"ours", "xla", "write_kv_ms"} <= set(row) and "wrong" not in row
