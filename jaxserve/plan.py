@@ -219,7 +219,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                                      f"GiB and the steps {reserve / GiB:.2f} GiB of {hbm / GiB:.2f} GiB per chip")
             result.num_pages = num_pages
             cache = kv(num_pages)
-            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated())
+            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), chip)
             for key in keys:
                 lowered = programs.lower(key, params, cache, batch, builder.abstract(key))
                 start = time.perf_counter()
@@ -238,7 +238,14 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     return result
 
 
-def _sampler_cost(vocab_size: int, batch: Any, replicated: Any) -> Any:
+# (chip, vocab, rows, device batch shapes) -> the sampler's bytes. The sampler runs replicated, so
+# its bytes barely depend on the mesh (about 1 MB of several hundred between one chip and eight):
+# measured once per chip kind, it costs one compile where each mesh size would cost another (5-16 s
+# each at a 128k vocabulary), which is what a planner comparing meshes would pay again and again.
+_SAMPLER_BYTES: dict[tuple, float] = {}
+
+
+def _sampler_cost(vocab_size: int, batch: Any, replicated: Any, chip: str) -> Any:
     """rows -> bytes the sampler alone accesses for that many rows (logits all gathered, as in
     the step): the work a step does beyond reading weights and KV pages, shown apart."""
     import jax
@@ -250,12 +257,17 @@ def _sampler_cost(vocab_size: int, batch: Any, replicated: Any) -> Any:
     def step(b: Any, logits: jax.Array, slots: jax.Array, steps: jax.Array) -> Any:
         return sample(logits, device_batch.sampling_rows(b, slots, steps))
 
+    shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batch))
+
     def cost(rows: int) -> float:
-        i32 = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
-        logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=replicated)
-        compiled = jax.jit(step).lower(batch, logits, i32, i32).compile(compiler_options=BYTES_OPTIONS)
-        c = compiled.cost_analysis()
-        return float((c[0] if isinstance(c, list) else c).get("bytes accessed", 0.0))
+        key = (chip, vocab_size, rows, shapes)
+        if key not in _SAMPLER_BYTES:
+            i32 = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+            logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=replicated)
+            compiled = jax.jit(step).lower(batch, logits, i32, i32).compile(compiler_options=BYTES_OPTIONS)
+            c = compiled.cost_analysis()
+            _SAMPLER_BYTES[key] = float((c[0] if isinstance(c, list) else c).get("bytes accessed", 0.0))
+        return _SAMPLER_BYTES[key]
 
     return cost
 

@@ -1,5 +1,6 @@
 """Greedy decoding by repeated full no-cache forwards: slow, simple, and the yardstick that the
-engine's paged, batched, chunked paths are compared against token for token. `RoundedKV` makes the
+engine's paged, batched, chunked paths are compared against token for token. `greedy_choices`
+checks a given continuation against the same yardstick in one forward. `RoundedKV` makes the
 same forward see its keys and values as a KV cache of another dtype holds them (an 8-bit cache:
 --kv-cache-dtype fp8), the yardstick for that cache."""
 
@@ -43,6 +44,31 @@ def forward_logits(decoder: Decoder, tokens: jax.Array, kv_dtype: Any = None) ->
         attend = RoundedKV(attend, kv_dtype)
     hidden, _ = decoder.hidden_states(tokens[None], positions, attend)
     return decoder.logits(hidden)[0]
+
+
+def greedy_choices(decoder: Decoder, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """choices[i][j]: the no-cache forward's greedy token after prompts[i] + continuations[i][:j].
+
+    A continuation is the greedy one exactly when it equals its own choices (by induction over j:
+    each token is the argmax given the tokens before it), so one forward over the whole sequence
+    (teacher forcing) checks what `greedy_reference` would decode in len(continuation) forwards.
+    The causal mask makes a position's logits independent of the tokens after it; the forward runs
+    at the same padded width rule as `greedy_reference`."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, continuations))
+    width = -(-width // 64) * 64
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, continuations)):
+        tokens[i, : len(p) + len(c)] = [*p, *c]
+    lengths = np.array([len(p) + len(c) for p, c in zip(prompts, continuations)], np.int32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    graphdef, state = nnx.split(decoder)
+
+    @jax.jit
+    def argmax_everywhere(state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+        return jnp.argmax(nnx.merge(graphdef, state)(tokens, positions, lengths), axis=-1).astype(jnp.int32)
+
+    best = np.asarray(argmax_everywhere(state, jnp.asarray(tokens), jnp.asarray(lengths)))
+    return [best[i, len(p) - 1: len(p) - 1 + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, continuations))]
 
 
 def greedy_reference(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

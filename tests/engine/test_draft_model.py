@@ -51,10 +51,11 @@ def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_to
     prompts = [tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]), fib,
                tok.encode("The three laws of robotics are"), tok.encode("Once upon a time, in a small village,"),
                fib]  # again: its first page comes from the prefix cache
-    params = [SamplingParams(temperature=0.0, max_tokens=100), SamplingParams(temperature=0.0, max_tokens=100),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=100, n=2),
-              SamplingParams(temperature=0.0, max_tokens=100, repetition_penalty=1.3),  # does not speculate
-              SamplingParams(temperature=0.0, max_tokens=60)]
+    # 60 tokens each: four rows of 70-90 tokens overflow the 144-token cache several times over.
+    params = [SamplingParams(temperature=0.0, max_tokens=60), SamplingParams(temperature=0.0, max_tokens=60),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=60, n=2),
+              SamplingParams(temperature=0.0, max_tokens=60, repetition_penalty=1.3),  # does not speculate
+              SamplingParams(temperature=0.0, max_tokens=40)]
     before = engine.num_preemptions
     ours = run_requests(engine, prompts, params, "spec")
     theirs = run_requests(engine, prompts, _plain(params), "plain")

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
-from jaxserve.engine.core import run_to_completion
+from jaxserve.engine.core import Engine, run_to_completion
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models import products
 from jaxserve.weights import load_model
@@ -115,19 +115,24 @@ def test_smollm2_bfloat16_engine_same_greedy_tokens(cache_dir, smollm2_tokenizer
                 "Write a haiku about the sea and a lighthouse keeper who is waiting for news from far away"]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-    def greedy(matmul: str, batch: list[list[int]]) -> list[list[int]]:
+    def engine(matmul: str) -> Engine:
         model = load_model(smollm2_gguf(), "bfloat16", cache_dir=cache_dir).model
         engine = build_engine(model, smollm2_tokenizer, dataclasses.replace(config, matmul_backend=matmul),
                               compile=False)
         assert engine.runner.min_rows == (2 if matmul == "xla" else 1)
         compile_engine(engine)
-        for i, p in enumerate(batch):
-            engine.add_request(str(i), p, params)
-        results = run_to_completion(engine, [str(i) for i in range(len(batch))])
-        return [results[str(i)].outputs[0].token_ids for i in range(len(batch))]
+        return engine
 
-    assert greedy("cpu", prompts[:1]) == greedy("xla", prompts[:1])
-    assert greedy("cpu", prompts) == greedy("xla", prompts)
+    def greedy(engine: Engine, batch: list[list[int]], tag: str) -> list[list[int]]:
+        ids = [f"{tag}{i}" for i in range(len(batch))]
+        for rid, p in zip(ids, batch):
+            engine.add_request(rid, p, params)
+        results = run_to_completion(engine, ids)
+        return [results[rid].outputs[0].token_ids for rid in ids]
+
+    kernel, xla = engine("cpu"), engine("xla")
+    assert greedy(kernel, prompts[:1], "one") == greedy(xla, prompts[:1], "one")
+    assert greedy(kernel, prompts, "four") == greedy(xla, prompts, "four")
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
