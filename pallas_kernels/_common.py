@@ -205,7 +205,20 @@ def gather_pages(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> j
     With `layer`, `pages` is the whole stacked cache [layers, kv_heads, num_pages, page_size,
     head_dim] and the layer index goes into the same gather: slicing the layer out first would copy
     that layer's entire cache on every call, which costs more than the attention itself.
+
+    An 8-bit float cache is gathered as its bytes on the CPU: XLA:CPU has no float8 gather, and
+    its float normalization widened the whole cache to float16 to gather a few pages of it.
     """
+    if pages.dtype.itemsize == 1 and jnp.issubdtype(pages.dtype, jnp.floating):
+        def as_bytes(pages: jax.Array, idx: jax.Array) -> jax.Array:
+            raw = gather_pages(jax.lax.bitcast_convert_type(pages, jnp.uint8), idx, layer)
+            return jax.lax.bitcast_convert_type(raw, pages.dtype)
+
+        return jax.lax.platform_dependent(pages, idx, cpu=as_bytes, default=lambda p, i: _gather(p, i, layer))
+    return _gather(pages, idx, layer)
+
+
+def _gather(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> jax.Array:
     if layer is None:
         return jnp.take(pages, idx, axis=1, mode="clip")
     # Advanced indices (layer, idx) around a slice put the index dims first: [items, n, kv_heads, ...].

@@ -61,9 +61,10 @@ def write_kv(
         # every scattered dim major to the window, a plain row scatter done in place at any token
         # count. XLA:CPU (the CPU serving path) is 2-4x slower on rows than on whole tokens, so the
         # row form is for TPU only.
-        return jax.lax.platform_dependent(
-            pages, to_cache_dtype(new, pages.dtype), layer, page, offset, tpu=scatter_head_rows, default=scatter_tokens
-        )
+        new = to_cache_dtype(new, pages.dtype)
+        cpu = scatter_bytes if _is_8bit_float(pages.dtype) else scatter_tokens
+        return jax.lax.platform_dependent(pages, new, layer, page, offset, tpu=scatter_head_rows, cpu=cpu,
+                                          default=scatter_tokens)
 
     k_out, v_out = write(stacked, k_new), write(v_stacked, v_new)
     if len(k_pages.shape) == 4:
@@ -76,6 +77,21 @@ def scatter_tokens(pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax
     [kv_heads, head_dim] window per token; out-of-range pages are dropped."""
     # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
     return pages.at[layer, :, page, offset].set(new, mode="drop")
+
+
+def _is_8bit_float(dtype: Any) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def scatter_bytes(pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:
+    """`scatter_tokens` of an 8-bit float cache, done on its bytes. XLA:CPU has no float8 scatter:
+    its float normalization widened the whole cache to float16 around every layer's write (two
+    copies of the cache per layer). An integer scatter is native. The CPU's form only: XLA:TPU
+    scatters float8 in place, and there the byte view costs a copy of the cache (tests/tpu_aot);
+    on a GPU it is unmeasured."""
+    raw = scatter_tokens(jax.lax.bitcast_convert_type(pages, jnp.uint8), jax.lax.bitcast_convert_type(new, jnp.uint8),
+                         layer, page, offset)
+    return jax.lax.bitcast_convert_type(raw, pages.dtype)
 
 
 def scatter_head_rows(

@@ -9,6 +9,7 @@ in tests/model/test_quantized_quality.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -29,6 +30,7 @@ from jaxserve.weights import load_model
 from tiny_models import make_tiny_model, save_tiny_tokenizer
 
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+HLO_NAMES = {"fp8_e4m3": "f8e4m3fn", "fp8_e5m2": "f8e5m2"}
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45, 46], [1, 42], [1, 9, 8, 7, 6, 5, 4]]
 # 13 usable pages of 4 tokens: three sequences of up to 39 tokens cannot all fit, so some are
 # preempted and recomputed; prefills come in chunks of 16 tokens.
@@ -121,6 +123,13 @@ def test_engine_equals_the_model_with_rounded_keys_and_values(tiny, name, backen
                                  attention_backend=backend)
     engine = build_engine(model, tokenizer, config)
     assert engine.runner.kv.k.dtype == FP8[name]
+    # No step holds a widened copy of the cache: XLA:CPU has no float8 scatter or gather, and left
+    # to itself it converted the whole cache to float16 around every layer's write and read (35x
+    # slower decode steps). Only the cache's own bytes (float8, or uint8 bitcasts) have its shape.
+    shape = ",".join(map(str, engine.runner.kv.k.shape))
+    for key, compiled in engine.runner.compiled_steps.items():
+        kinds = set(re.findall(rf"(\w+)\[{shape}\]", compiled.as_text()))
+        assert kinds and kinds <= {HLO_NAMES[name], "u8"}, (key, kinds)
     for round_ in range(2):
         # Prompt logprobs need every prompt token computed; the second round, without them, reads
         # its prompts' full pages from the prefix cache.
