@@ -6,7 +6,7 @@ other TP size. Writes a JSON report: greedy tokens, and per TP size the paramete
 shardings (spec and per-device shard shapes); then the start-up loader at the largest TP size,
 from the checkpoint and from the orbax weight cache.
 
-usage: python tp_worker.py OUT.json WORK_DIR NAME[,NAME...] TP[,TP...]
+usage: python tp_worker.py OUT.json WORK_DIR NAME[,NAME...] TP[,TP...] QUANTIZED_TP[,TP...]
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def main() -> None:
     for name in names:
         report[name] = run(name, [int(s) for s in sizes], work)
     report["startup"] = startup_and_orbax(work, names[0], int(sizes[-1]))
-    report["int8"] = quantized(names[0], [int(s) for s in sizes], work, "int8")
-    report["int4"] = quantized(names[0], [int(s) for s in sizes], work, "int4")
+    quantized_sizes = [int(s) for s in sys.argv[5].split(",")]
+    report["int8"] = quantized(names[0], quantized_sizes, work, "int8")
+    report["int4"] = quantized(names[0], quantized_sizes, work, "int4")
     Path(out).write_text(json.dumps(report))
 
 
