@@ -45,7 +45,8 @@ def report(tmp_path_factory) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     worker = Path(__file__).with_name("tp_worker.py")
     done = subprocess.run([sys.executable, str(worker), str(out), str(work), ",".join(NAMES),
-                           ",".join(map(str, SIZES)), ",".join(map(str, QUANTIZED_SIZES))], env=env, capture_output=True, text=True, timeout=900)
+                           ",".join(map(str, SIZES)), ",".join(map(str, QUANTIZED_SIZES))],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
