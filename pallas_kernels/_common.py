@@ -209,7 +209,7 @@ def gather_pages(pages: jax.Array, idx: jax.Array, layer: jax.Array | None) -> j
     An 8-bit float cache is gathered as its bytes on the CPU: XLA:CPU has no float8 gather, and
     its float normalization widened the whole cache to float16 to gather a few pages of it.
     """
-    if pages.dtype.itemsize == 1 and jnp.issubdtype(pages.dtype, jnp.floating):
+    if is_8bit_float(pages.dtype):
         def as_bytes(pages: jax.Array, idx: jax.Array) -> jax.Array:
             raw = gather_pages(jax.lax.bitcast_convert_type(pages, jnp.uint8), idx, layer)
             return jax.lax.bitcast_convert_type(raw, pages.dtype)
@@ -268,13 +268,19 @@ def check_float(name: str, x: Any) -> None:
         )
 
 
+def is_8bit_float(dtype: Any) -> bool:
+    """An 8-bit float cache (--kv-cache-dtype fp8*): saturated on write, and moved as bytes on the CPU."""
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
 def to_cache_dtype(x: jax.Array, dtype: Any) -> jax.Array:
     """`x` rounded to the cache's dtype. An 8-bit float cache (scale 1.0: it holds the values
     themselves, as vLLM's fp8 cache without calibrated scales) saturates at its largest finite value:
     a plain cast would turn an out-of-range key into NaN (float8_e4m3fn has no infinity) or inf
     (float8_e5m2), and one such key poisons every later softmax of its sequence."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) and x.dtype != dtype:
+    if is_8bit_float(dtype) and x.dtype != dtype:
         top = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -top, top)
     return x.astype(dtype)

@@ -23,6 +23,7 @@ from pallas_kernels._common import (
     check_ndim,
     check_shape,
     concrete_or_none,
+    is_8bit_float,
     stacked_cache,
     to_cache_dtype,
     validate_layer,
@@ -62,7 +63,7 @@ def write_kv(
         # count. XLA:CPU (the CPU serving path) is 2-4x slower on rows than on whole tokens, so the
         # row form is for TPU only.
         new = to_cache_dtype(new, pages.dtype)
-        cpu = scatter_bytes if _is_8bit_float(pages.dtype) else scatter_tokens
+        cpu = scatter_bytes if is_8bit_float(pages.dtype) else scatter_tokens
         return jax.lax.platform_dependent(pages, new, layer, page, offset, tpu=scatter_head_rows, cpu=cpu,
                                           default=scatter_tokens)
 
@@ -77,10 +78,6 @@ def scatter_tokens(pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax
     [kv_heads, head_dim] window per token; out-of-range pages are dropped."""
     # Advanced indices (layer, page, offset) around a slice put the token axis first: [T, kv_heads, D].
     return pages.at[layer, :, page, offset].set(new, mode="drop")
-
-
-def _is_8bit_float(dtype: Any) -> bool:
-    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def scatter_bytes(pages: jax.Array, new: jax.Array, layer: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:

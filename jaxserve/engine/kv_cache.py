@@ -72,8 +72,9 @@ def cache_dtype(name: str, model_dtype: Any) -> jnp.dtype:
 def check_cache_dtype(dtype: Any, attention_backend: str, device: Any) -> None:
     """Refuses a cache the GPU kernels cannot read on this GPU: Triton takes float8_e4m3fn only on
     compute capability 8.9 and up (Ada, Hopper; an A100 is 8.0) and fails inside XLA's compile of
-    the kernel otherwise, a worse place to learn it than start-up."""
-    if getattr(device, "platform", None) == "cpu" and jnp.dtype(dtype).itemsize == 1:
+    the kernel otherwise, a worse place to learn it than start-up. Warns where an 8-bit cache is
+    measured slow: the native CPU kernel's."""
+    if attention_backend == "cpu" and jnp.dtype(dtype).itemsize == 1:
         # Measured 2026-11-25 (benchmarks/RESULTS.md): correct, but the native kernel's custom call
         # takes the cache as float8, and XLA:CPU copies the byte-scattered cache back to float8 for
         # it after every layer's write. Said at start-up so nobody mistakes it for the format's cost.

@@ -46,6 +46,17 @@ def forward_logits(decoder: Decoder, tokens: jax.Array, kv_dtype: Any = None) ->
     return decoder.logits(hidden)[0]
 
 
+def _padded(sequences: list[list[int]], room: int) -> tuple[np.ndarray, np.ndarray, jax.Array]:
+    """(tokens [b, width], lengths [b], positions [b, width]): the sequences left-aligned in a width
+    of the longest plus `room`, rounded up to 64."""
+    width = -(-(max(map(len, sequences)) + room) // 64) * 64
+    tokens = np.zeros((len(sequences), width), np.int32)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = seq
+    lengths = np.array([len(seq) for seq in sequences], np.int32)
+    return tokens, lengths, jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+
+
 def greedy_choices(decoder: Decoder, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
     """choices[i][j]: the no-cache forward's greedy token after prompts[i] + continuations[i][:j].
 
@@ -53,14 +64,8 @@ def greedy_choices(decoder: Decoder, prompts: list[list[int]], continuations: li
     each token is the argmax given the tokens before it), so one forward over the whole sequence
     (teacher forcing) checks what `greedy_reference` would decode in len(continuation) forwards.
     The causal mask makes a position's logits independent of the tokens after it; the forward runs
-    at the same padded width rule as `greedy_reference`."""
-    width = max(len(p) + len(c) for p, c in zip(prompts, continuations))
-    width = -(-width // 64) * 64
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, (p, c) in enumerate(zip(prompts, continuations)):
-        tokens[i, : len(p) + len(c)] = [*p, *c]
-    lengths = np.array([len(p) + len(c) for p, c in zip(prompts, continuations)], np.int32)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    at the same padded width rule as `greedy_reference` (`_padded`)."""
+    tokens, lengths, positions = _padded([[*p, *c] for p, c in zip(prompts, continuations)], 0)
     graphdef, state = nnx.split(decoder)
 
     @jax.jit
@@ -73,13 +78,7 @@ def greedy_choices(decoder: Decoder, prompts: list[list[int]], continuations: li
 
 def greedy_reference(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (exactly max_new_tokens each, EOS not special-cased)."""
-    width = max(map(len, prompts)) + max_new_tokens
-    width = -(-width // 64) * 64  # one compiled shape for the whole run
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+    tokens, lengths, positions = _padded(prompts, max_new_tokens)  # one compiled shape for the whole run
     graphdef, state = nnx.split(decoder)
 
     @jax.jit

@@ -164,12 +164,12 @@ def startup_and_orbax(work: Path, name: str, tp: int) -> dict:
 
 
 def main() -> None:
-    out, work, names, sizes = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(","), sys.argv[4].split(",")
+    out, work, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
+    sizes, quantized_sizes = ([int(s) for s in arg.split(",")] for arg in sys.argv[4:6])
     report = {"num_devices": jax.local_device_count()}
     for name in names:
-        report[name] = run(name, [int(s) for s in sizes], work)
-    report["startup"] = startup_and_orbax(work, names[0], int(sizes[-1]))
-    quantized_sizes = [int(s) for s in sys.argv[5].split(",")]
+        report[name] = run(name, sizes, work)
+    report["startup"] = startup_and_orbax(work, names[0], sizes[-1])
     report["int8"] = quantized(names[0], quantized_sizes, work, "int8")
     report["int4"] = quantized(names[0], quantized_sizes, work, "int4")
     Path(out).write_text(json.dumps(report))
