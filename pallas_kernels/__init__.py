@@ -10,8 +10,9 @@ function here also takes that stack with `layer=` (an int32 scalar, traced insid
 scan) and reads that layer's pages in place, never slicing the layer out (which would copy it).
 
 `get_decode_attention(backend)` / `get_ragged_attention(backend)` return a callable with the
-reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu", "cpu"}. Kernel modules
-are imported only when asked for, so the CPU serving path never imports Pallas.
+reference's signature for backend in {"reference", "pallas_gpu", "pallas_tpu", "cpu"}, and
+`get_kv_write(backend)` the cache write that goes with it. Kernel modules are imported only when
+asked for, so the CPU serving path never imports Pallas.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def get_ragged_attention(backend: str) -> Callable[..., object]:
     return select_kernel(backend, ragged_paged_attention_reference, _RAGGED_KERNELS)
 
 
+def get_kv_write(backend: str) -> Callable[..., object]:
+    """The cache write for `backend`, called as `write_kv`: the "cpu" backend's native in-place write
+    (XLA:CPU has no float8 scatter, and scattering a float8 cache's bytes copies it twice per
+    layer), XLA's scatter for every other backend (on a TPU or a GPU, an in-place row copy)."""
+    _check_backend(backend)
+    if backend == "cpu":
+        from pallas_kernels.cpu_kv_write import write_kv_cpu
+
+        return write_kv_cpu
+    return write_kv
+
+
 __all__ = [
     "BACKENDS",
     "get_decode_attention",
+    "get_kv_write",
     "get_ragged_attention",
     "paged_decode_attention_reference",
     "ragged_paged_attention_reference",

@@ -7,7 +7,8 @@ a layer out would make XLA copy the layer's entire cache on every layer of every
 
 Backends (`--attention-backend`): "reference" is the pure-jnp attention; "pallas_gpu" /
 "pallas_tpu" are the Pallas kernels of `pallas_kernels`; "cpu" is the native CPU kernel
-(`pallas_kernels/cpu_attention.cc`, an XLA FFI call built on first use). The CLI's "auto" is the
+(`pallas_kernels/cpu_attention.cc`, an XLA FFI call built on first use), whose cache write is
+native too (`cpu_kv_write.cc`: XLA:CPU has no float8 scatter). The CLI's "auto" is the
 Pallas kernels on a GPU (checked and timed on an H100: identical greedy output, 2.5-3.5x XLA's
 decode attention from batch 8 up, see benchmarks/RESULTS.md), the native kernel on the CPU when it
 builds (16% more tokens/s than the reference at 16 sequences on SmolLM2; without a C++ compiler,
@@ -98,11 +99,13 @@ def _warn_interpreted(backend: str, platform: str) -> None:
     log.warning("attention backend %s", describe_backend(backend, platform))
 
 
-def write_layer(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
-    """Scatter k, v [tokens, kv_heads, head_dim] into `layer` at flat slots (-1: dropped).
+def write_layer(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+                backend: str = "reference") -> KVCache:
+    """Write k, v [tokens, kv_heads, head_dim] into `layer` at flat slots (-1: dropped), with
+    `backend`'s cache write (`pallas_kernels.get_kv_write`).
 
-    One scatter per buffer on the full (donated, loop-carried) cache, so XLA updates it in place."""
-    new_k, new_v = pallas_kernels.write_kv(cache.k, cache.v, k, v, slots, layer=layer)
+    The full (donated, loop-carried) cache goes in, so the write updates it in place."""
+    new_k, new_v = pallas_kernels.get_kv_write(backend)(cache.k, cache.v, k, v, slots, layer=layer)
     return KVCache(new_k, new_v)
 
 
@@ -130,7 +133,7 @@ class PagedAttention:
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, window: jax.Array,
                  layer: jax.Array) -> tuple[jax.Array, KVCache]:
         # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
-        cache = write_layer(cache, layer, k[0], v[0], self.slots)
+        cache = write_layer(cache, layer, k[0], v[0], self.slots, self.backend)
         mesh = getattr(self.cache_sharding, "mesh", None)
         if mesh is None or mesh.size == 1:
             out = self._attend(q[0], cache.k, cache.v, window, layer)

@@ -73,13 +73,17 @@ def check_cache_dtype(dtype: Any, attention_backend: str, device: Any) -> None:
     """Refuses a cache the GPU kernels cannot read on this GPU: Triton takes float8_e4m3fn only on
     compute capability 8.9 and up (Ada, Hopper; an A100 is 8.0) and fails inside XLA's compile of
     the kernel otherwise, a worse place to learn it than start-up. Warns where an 8-bit cache is
-    measured slow: the native CPU kernel's."""
-    if attention_backend == "cpu" and jnp.dtype(dtype).itemsize == 1:
-        # Measured 2026-11-25 (benchmarks/RESULTS.md): correct, but the native kernel's custom call
-        # takes the cache as float8, and XLA:CPU copies the byte-scattered cache back to float8 for
-        # it after every layer's write. Said at start-up so nobody mistakes it for the format's cost.
-        log.warning("--kv-cache-dtype %s on the CPU: decode steps are 5-30x slower than with the model's dtype "
-                    "(XLA:CPU copies the whole cache per layer); it holds twice the tokens", jnp.dtype(dtype).name)
+    measured slow: the pure-jnp reference attention's on the CPU."""
+    if attention_backend == "reference" and getattr(device, "platform", None) == "cpu" \
+            and jnp.dtype(dtype).itemsize == 1:
+        # Measured 2026-11-25 (benchmarks/RESULTS.md): XLA:CPU has no float8 scatter, so the
+        # reference's write scatters the cache's bytes, and XLA copies the whole cache to uint8
+        # and back around it on every layer (1.8-3.4x slower decode steps on SmolLM2). The native
+        # backend writes in place. Said at start-up so nobody mistakes it for the format's cost.
+        log.warning("--kv-cache-dtype %s with --attention-backend reference on the CPU: decode steps are 1.8-3.4x "
+                    "slower than with the model's dtype (XLA:CPU copies the whole cache per layer); the "
+                    "native kernel (--attention-backend cpu, the default on one device) writes it in place",
+                    jnp.dtype(dtype).name)
     if attention_backend != "pallas_gpu" or jnp.dtype(dtype) != jnp.float8_e4m3fn:
         return
     capability = getattr(device, "compute_capability", None)
