@@ -1,7 +1,8 @@
 """Build and load the native CPU kernels (`cpu_attention.cc`, `cpu_kv_write.cc`, `cpu_matmul.cc`,
-...): XLA FFI custom calls compiled on first use with the system C++ compiler (`$CXX`, else g++ / c++ / clang++) for this
-machine (-march=native), into a cache directory keyed by the source, the headers next to it
-(`cpu_parallel.h`), the compiler, jaxlib and the CPU, so later processes only load them.
+...): XLA FFI custom calls compiled on first use with the system C++ compiler (`$CXX`, else g++ /
+c++ / clang++) for this machine (-march=native), into a cache directory keyed by the source, the
+headers next to it (`cpu_parallel.h`), the compiler, jaxlib and the CPU, so later processes only
+load them.
 """
 
 from __future__ import annotations
