@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 from engine_requests import run_requests
-from smollm2 import smollm2_gguf
 from tiny_models import make_tiny_model
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -25,10 +24,13 @@ from jaxserve.weights import load_model
 pytestmark = pytest.mark.slow
 
 # 9 usable pages of 16 tokens: the four requests below cannot all fit, so some are preempted.
+# Two decode buckets (each also a verify step, for both models: a compile of 5-12 s apiece on two
+# cores), one prefill bucket: which bucket pads a batch changes no token.
 SMALL = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=10),
     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240,
-                              speculative_method="draft", num_speculative_tokens=4),
+                              speculative_method="draft", num_speculative_tokens=4, decode_buckets=(2, 4),
+                              prefill_buckets=(32,)),
     check_integrity=True,
 )
 
@@ -101,7 +103,7 @@ def test_per_request_fields(engine, smollm2_tokenizer):
         assert e.value.param == "assistant_confidence_threshold"
 
 
-def test_a_poor_draft_model_changes_nothing(tmp_path):
+def test_a_poor_draft_model_changes_nothing(tmp_path, model):
     make_tiny_model("llama3", tmp_path / "target")
     make_tiny_model("qwen2", tmp_path / "draft")
     target = load_model(tmp_path / "target", "float32", use_cache=False).model
@@ -116,4 +118,4 @@ def test_a_poor_draft_model_changes_nothing(tmp_path):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     assert sum(o.num_draft_tokens for o in ours) > 0
     with pytest.raises(ValueError, match="vocabulary"):
-        build_engine(target, None, config, draft=load_model(smollm2_gguf(), "bfloat16").model, compile=False)
+        build_engine(target, None, config, draft=model, compile=False)  # SmolLM2: 49152 tokens
