@@ -8,6 +8,7 @@ import dataclasses
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -25,7 +26,7 @@ API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 512
 
 
-def small_engine(cache_dir: Path, speculative_model: str | None = None, **scheduler: int) -> Engine:
+def small_engine(cache_dir: Path, speculative_model: str | None = None, **scheduler: Any) -> Engine:
     """SmolLM2 in float32 on a small grid, started exactly as `python -m jaxserve` starts a server
     (a mesh of one device, the CPU kernels where they build, the compilation cache)."""
     config = Config(

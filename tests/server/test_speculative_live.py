@@ -22,7 +22,10 @@ COPY = [{"role": "user", "content": f"Repeat the following sentence exactly:\n\n
 
 @pytest.fixture(scope="module")
 def spec_server(cache_dir, smollm2_tokenizer):
-    engine = AsyncEngine(small_engine(cache_dir, speculative_method="ngram", num_speculative_tokens=4))
+    # One verify bucket: its prefill and decode programs are the plain server's (read back from the
+    # compilation cache), and which bucket pads a batch changes no token.
+    engine = AsyncEngine(small_engine(cache_dir, speculative_method="ngram", num_speculative_tokens=4,
+                                      decode_buckets=(8,), prefill_buckets=(64,)))
     live = start_server(create_app(engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN))
     yield live
     live.close()
@@ -80,8 +83,10 @@ def test_ovms_fields_on_v3_sglang_meta_info_and_metrics(spec_server):
 def draft_server(cache_dir, smollm2_tokenizer):
     # Started as `--speculative-model PATH` starts it (startup.start_engine loads the draft): the
     # same GGUF drafts for itself, so every draft is accepted.
+    # One bucket of each kind: the draft model doubles every compile, and which bucket pads a
+    # batch changes no token.
     engine = AsyncEngine(small_engine(cache_dir, speculative_model=str(smollm2_gguf()), speculative_method="draft",
-                                      num_speculative_tokens=3))
+                                      num_speculative_tokens=3, decode_buckets=(8,), prefill_buckets=(64,)))
     live = start_server(create_app(engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN))
     yield live
     live.close()

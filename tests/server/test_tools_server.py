@@ -44,7 +44,10 @@ def _serve(family: str, cache_dir, tmp_path_factory, **app_options):
         model=ModelConfig(model=str(directory), served_model_name=family, dtype="float32", max_model_len=512,
                           cache_dir=cache_dir),
         parallel=ParallelConfig(), server=ServerConfig(), cache=CacheConfig(page_size=16, num_pages=360),
-        scheduler=SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=128, max_prefill_seqs=2),
+        # Two decode buckets and one prefill bucket: the steps' compiles were most of this module's
+        # time, and which bucket pads a batch changes no token.
+        scheduler=SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=128, max_prefill_seqs=2,
+                                  decode_buckets=(2, 10), prefill_buckets=(128,)),
         compilation_cache_dir=cache_dir / "xla")
     engine = AsyncEngine(start_engine(config)[0])
     tokenizer = load_tokenizer(directory, None, cache_dir=cache_dir)
