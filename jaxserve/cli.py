@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=256, help="most prompt tokens prefilled in one "
                    "step; longer prompts are prefilled in chunks so running decodes keep making progress")
     e.add_argument("--max-prefill-seqs", type=int, default=4, help="most sequences sharing one prefill step")
+    e.add_argument("--decode-buckets", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes compiled at start-up, one step program each (a batch runs in the "
+                   "smallest that holds it, padded); the largest must equal --max-num-seqs. Default: powers of two "
+                   "up to --max-num-seqs. Fewer buckets start faster and pad more (vLLM's --cuda-graph-sizes)")
+    e.add_argument("--prefill-buckets", type=int, nargs="+", default=None, metavar="N",
+                   help="prefill step sizes in tokens compiled at start-up; the largest must equal "
+                   "--max-num-batched-tokens. Default: powers of two from 16 to --max-num-batched-tokens")
     e.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas", "cpu"],
                    help="paged attention implementation: the pure-jnp reference; the Pallas kernels of "
                    "pallas_kernels/ (GPU or TPU; on the CPU they run in Pallas interpret mode, very slowly: "
@@ -363,6 +370,28 @@ def _check_tensor_parallel_size(size: int) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _buckets(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """--decode-buckets and --prefill-buckets as the scheduler takes them (None: the default grid),
+    checked as the engine's bucket table checks them, with the flags' names in the message."""
+    from jaxserve.engine.buckets import BucketTable
+
+    lists = []
+    for flag in ("decode_buckets", "prefill_buckets"):
+        value = getattr(args, flag)
+        if isinstance(value, int) and not isinstance(value, bool):  # a config file's single size
+            value = [value]
+        lists.append(None if value is None else tuple(value))
+    try:
+        BucketTable(SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    decode_buckets=lists[0], prefill_buckets=lists[1]))
+    except ValueError as e:
+        message = str(e)
+        for name in ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise ConfigError(message) from None
+    return lists[0], lists[1]
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     model = args.model or default_model()
     if model is None:
@@ -395,6 +424,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    decode_buckets, prefill_buckets = _buckets(args)
     if args.decode_steps is not None and args.decode_steps < 1:
         raise ConfigError(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.speculative_model is not None and args.speculative_method not in (None, "draft"):
@@ -455,6 +485,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_seqs=args.max_prefill_seqs,
+            decode_buckets=decode_buckets,
+            prefill_buckets=prefill_buckets,
             max_model_len=0,  # filled in once the model's own limit is known (startup)
             speculative_method="draft" if args.speculative_model else args.speculative_method,
             num_speculative_tokens=args.num_speculative_tokens,

@@ -340,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (as python -m jaxserve)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")
     p.add_argument("--max-prefill-seqs", type=int, default=4, help="most prompts in one prefill step")
+    p.add_argument("--decode-buckets", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to compile, as the server's flag (default: powers of two up to "
+                   "--max-num-seqs, which the largest must equal)")
+    p.add_argument("--prefill-buckets", type=int, nargs="+", default=None, metavar="N",
+                   help="prefill step sizes in tokens, as the server's flag (default: powers of two from 16 to "
+                   "--max-num-batched-tokens, which the largest must equal)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, as the server's flag: auto = --dtype; fp8 (= fp8_e4m3) and fp8_e5m2 "
@@ -362,8 +368,17 @@ def main(argv: list[str] | None = None) -> int:
         print("jaxserve.plan needs the TPU compiler: pip install 'libtpu==0.0.48.*' (the version jax 0.11.2 "
               "pins)", file=sys.stderr)
         return 2
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.engine.buckets import BucketTable
     from jaxserve.models.config import decoder_config_from_hf
 
+    try:  # the grid first: a mistyped bucket list should not wait for the topology
+        BucketTable(SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    decode_buckets=args.decode_buckets and tuple(args.decode_buckets),
+                                    prefill_buckets=args.prefill_buckets and tuple(args.prefill_buckets)))
+    except ValueError as e:
+        print(f"jaxserve.plan: {e}", file=sys.stderr)
+        return 2
     config_json = Path(args.model) / "config.json"
     try:
         cfg = decoder_config_from_hf(json.loads(config_json.read_text()))
@@ -375,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_seqs=args.max_prefill_seqs,
                   page_size=args.page_size, num_pages=args.num_pages,
                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  decode_buckets=None if args.decode_buckets is None else tuple(args.decode_buckets),
+                  prefill_buckets=None if args.prefill_buckets is None else tuple(args.prefill_buckets))
     print(format_plan(result))
     if args.json:
         Path(args.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))

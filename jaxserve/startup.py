@@ -291,6 +291,10 @@ def start_classify_engine(config: Config, task: str = "classify", default_max_mo
     if m.quantization not in ("auto", "none"):
         raise ValueError(f"--quantization {m.quantization}: classification and embedding models run with the "
                          "checkpoint's weights; quantization is for generation models")
+    if config.scheduler.decode_buckets is not None or config.scheduler.prefill_buckets is not None:
+        raise ValueError("--decode-buckets / --prefill-buckets: classification and embedding models compile one "
+                         "step per token bucket, powers of two up to the largest packed step; the flags are for "
+                         "generation models")
     start = time.perf_counter()
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["w5 w9 w13 w40 w77", "w100 w3", "w8 w8 w8 w21 w34 w55 w89 w144 w233"]
 MAX_TOKENS = 8
 ENGINE_FLAGS = ["--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-                "--max-prefill-seqs", "2", "--max-model-len", "64", "--num-pages", "48"]
+                "--max-prefill-seqs", "2", "--max-model-len", "64", "--num-pages", "48",
+                # one step shape of each kind: two processes compile every program, and the grid is not
+                # what is under test here
+                "--decode-buckets", "4", "--prefill-buckets", "32"]
 
 
 def _free_port() -> int:

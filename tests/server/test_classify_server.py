@@ -231,6 +231,16 @@ def test_api_keys_on_a_classification_app(live):
     assert status == 200 and body["data"][0]["num_classes"] == 3
 
 
+@pytest.mark.parametrize("flags", [["--decode-buckets", "16"], ["--prefill-buckets", "64", "256"]])
+def test_bucket_flags_are_refused_for_a_classifier(model_dir, flags):
+    """Generation's step grid; a classifier's token buckets are its own, so the flags are refused, not ignored."""
+    from jaxserve.startup import start_classify_engine
+
+    config = config_from_args(parse_args(["--model", str(model_dir), *flags]))
+    with pytest.raises(ValueError, match="--decode-buckets / --prefill-buckets: classification and embedding"):
+        start_classify_engine(config)
+
+
 def test_a_generation_server_refuses_classify(tmp_path):
     """The generation app (a real, uncompiled engine: refusing runs no step) says why."""
     from jaxserve.config import CacheConfig, SchedulerConfig

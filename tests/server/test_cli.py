@@ -3,6 +3,7 @@ CLI-over-YAML precedence, clear refusals, and a real start-up on a tiny model.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,25 @@ def test_speculative_flags():
         config_from_args(parse_args(["--model", "/m", "--speculative-model", "/d", "--speculative-method", "ngram"]))
     with pytest.raises(ConfigError, match="--speculative-model"):
         config_from_args(parse_args(["--model", "/m", "--speculative-method", "draft"]))
+
+
+def test_bucket_flags(tmp_path):
+    sched = config_from_args(parse_args(["--model", "/m", "--max-num-seqs", "32", "--decode-buckets", "4", "32",
+                                         "--max-num-batched-tokens", "512", "--prefill-buckets", "512"])).scheduler
+    assert (sched.decode_buckets, sched.prefill_buckets) == ((4, 32), (512,))
+    default = config_from_args(parse_args(["--model", "/m"])).scheduler
+    assert default.decode_buckets is None and default.prefill_buckets is None  # powers of two
+    for flags, message in ((["--decode-buckets", "4", "8"], "the largest of --decode-buckets (4, 8) must equal "
+                            "--max-num-seqs=16"),
+                           (["--decode-buckets", "8", "4", "16"], "--decode-buckets must be strictly increasing"),
+                           (["--prefill-buckets", "0", "256"], "--prefill-buckets must be positive integers"),
+                           (["--prefill-buckets", "128"], "--max-num-batched-tokens=256")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_args(parse_args(["--model", "/m", *flags]))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m\nmax-num-seqs: 8\ndecode-buckets: [2, 8]\nprefill-buckets: 256\n")
+    sched = config_from_args(parse_args(["--config", str(cfg)])).scheduler
+    assert (sched.decode_buckets, sched.prefill_buckets) == ((2, 8), (256,))
 
 
 def test_yaml_config_and_cli_precedence(tmp_path):
