@@ -45,7 +45,9 @@ PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45
 MAX_TOKENS = 16
 CONFIG = EngineConfig(
     cache=CacheConfig(page_size=4, num_pages=14),  # 13 usable pages of 4 tokens: forces preemption
-    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48),
+    # One decode bucket: 18 engines are built here, and the shardings, not the grid, are under test.
+    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48,
+                              decode_buckets=(2,)),
 )
 INSPECT = {  # parameters whose layout the test checks
     "embed_tokens": ("embed_tokens",),
