@@ -132,14 +132,14 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     small = dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2, vocab_size=4096)
     (tmp_path / "config.json").write_text(json.dumps(small))
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--tp", "4", "--max-model-len",
-                             "2048", "--max-num-seqs", "2", "--decode-buckets", "2", "--max-num-batched-tokens", "16",
+                             "2048", "--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--prefill-buckets", "32",
                              "--json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tensor parallel over 4 chip(s)" in out and "KV cache:" in out and "tok/s" in out
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["error"] is None and report["num_pages"] > 1000
-    assert {(s["kind"], s["tokens"]) for s in report["steps"]} == {("prefill", 16), ("decode", 2)}
+    assert {(s["kind"], s["tokens"]) for s in report["steps"]} == {("prefill", 32), ("decode", 1)}  # no prefill 16
     # A bucket list the server would refuse is refused before anything compiles.
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--max-num-seqs", "8",
                              "--decode-buckets", "2", "4"])
