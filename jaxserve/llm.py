@@ -138,6 +138,8 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 256,
         max_prefill_seqs: int = 4,
+        decode_buckets: Seq[int] | None = None,
+        prefill_buckets: Seq[int] | None = None,
         enable_prefix_caching: bool = True,
         cache_dir: Path | None = None,
         attention_backend: str = "auto",
@@ -172,7 +174,9 @@ class LLM:
         --speculative-model PATH. enable_prompt_embeds: take {"prompt_embeds": array} prompts, as
         vLLM's (and --enable-prompt-embeds). kv_cache_dtype: "auto" (dtype), "fp8" / "fp8_e4m3" /
         "fp8_e5m2" (a byte per cached value) or "bfloat16" (a float32 model's cache in half the bytes), as
-        --kv-cache-dtype."""
+        --kv-cache-dtype. decode_buckets / prefill_buckets: the step shapes compiled (default powers of
+        two up to max_num_seqs / max_num_batched_tokens, which the largest must equal), as
+        --decode-buckets / --prefill-buckets."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -195,7 +199,10 @@ class LLM:
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_prefill_seqs=max_prefill_seqs, **_speculative(speculative_config)),
+                                      max_prefill_seqs=max_prefill_seqs,
+                                      decode_buckets=None if decode_buckets is None else tuple(decode_buckets),
+                                      prefill_buckets=None if prefill_buckets is None else tuple(prefill_buckets),
+                                      **_speculative(speculative_config)),
             compilation_cache_dir=cache_dir / "xla",
             attention_backend=attention_backend,
             matmul_backend=matmul_backend,

@@ -17,7 +17,8 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     make_tiny_model("llama3", tmp_path / "m")
     save_tiny_tokenizer(tmp_path / "m")
     llm = LLM(str(tmp_path / "m"), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_pages=32,
-              page_size=4, cache_dir=tmp_path / "cache")
+              page_size=4, cache_dir=tmp_path / "cache", decode_buckets=[2], prefill_buckets=(16,))
+    assert {key[:2] for key in llm.engine.runner.compiled_steps} == {("prefill", 16), ("decode", 2)}
     prompts = [[1, 5, 9, 13, 17], [1, 2], [1, 100, 101, 102]]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     expected = greedy_reference(llm.model, prompts, 6)
