@@ -26,6 +26,17 @@ def compilation_cache(cache_dir):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2():
+    """HF transformers' SmolLM2, dequantized by HF from the same GGUF: the reference of the engine
+    and model tests. Loaded once per run (HF's GGUF dequantization takes ~18 s on two cores)."""
+    import torch
+    from smollm2 import GGUF_NAME, smollm2_dir
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(cache_dir):
     from jaxserve.tokenizer import load_tokenizer
     from smollm2 import GGUF_NAME, smollm2_dir

@@ -12,9 +12,7 @@ import dataclasses
 import pytest
 import torch
 from engine_requests import run_requests
-from smollm2 import GGUF_NAME, smollm2_dir
 from tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
@@ -45,11 +43,6 @@ SETTINGS = [(4, 2, 1.0, False, 20), (3, 3, 0.5, True, 12), (5, 1, 2.0, "never", 
 @pytest.fixture(scope="module")
 def engine(model, smollm2_tokenizer):
     return build_engine(model, smollm2_tokenizer, CONFIG)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME, dtype=torch.float32).eval()
 
 
 def _beams(width: int, n: int, length_penalty: float, early_stopping: bool | str, max_tokens: int,
@@ -83,7 +76,7 @@ def _check_same(ours, theirs: tuple[list[list[int]], list[float]], eos: list[int
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"w{s[0]}-n{s[1]}-lp{s[2]}-es{s[3]}")
-def test_smollm2_beams_match_hf(engine, hf, smollm2_tokenizer, setting):
+def test_smollm2_beams_match_hf(engine, hf_smollm2, smollm2_tokenizer, setting):
     tok = smollm2_tokenizer
     eos = list(engine.info.eos_ids)
     chat = tok.encode_chat([{"role": "user", "content": "What is 2+2? Answer with one number."}])
@@ -91,7 +84,7 @@ def test_smollm2_beams_match_hf(engine, hf, smollm2_tokenizer, setting):
     _, n, lp, _, _ = setting
     ours = run_requests(engine, prompts, [_beams(*setting, logprobs=2)] * len(prompts))
     for prompt, out in zip(prompts, ours):
-        _check_same(out, _hf_beams(hf, prompt, eos, *setting), eos, lp)
+        _check_same(out, _hf_beams(hf_smollm2, prompt, eos, *setting), eos, lp)
         assert len(out.outputs) == n
         for o in out.outputs:  # each token's own logprob and top alternatives, from its own beam
             assert [lp.token_id for lp in o.logprobs] == o.token_ids
@@ -102,12 +95,12 @@ def test_smollm2_beams_match_hf(engine, hf, smollm2_tokenizer, setting):
         assert all(o.finish_reason == "stop" for o in ours[2].outputs)  # the chat answers end on EOS
 
 
-def test_min_tokens_and_stop_ids_match_hf(engine, hf, smollm2_tokenizer):
+def test_min_tokens_and_stop_ids_match_hf(engine, hf_smollm2, smollm2_tokenizer):
     tok = smollm2_tokenizer
     eos = list(engine.info.eos_ids)
     chat = tok.encode_chat([{"role": "user", "content": "Say hi."}])
     (ours,) = run_requests(engine, [chat], [_beams(3, 2, 1.0, False, 24, min_tokens=8)])
-    _check_same(ours, _hf_beams(hf, chat, eos, 3, 2, 1.0, False, 24, min_tokens=8), eos, 1.0)
+    _check_same(ours, _hf_beams(hf_smollm2, chat, eos, 3, 2, 1.0, False, 24, min_tokens=8), eos, 1.0)
     assert all(len(o.token_ids) >= 9 or o.finish_reason == "length" for o in ours.outputs)
     # A stop id ends beams as EOS does (HF: one more end id): the best beam's first token, which
     # (with no length normalisation) makes the best hypothesis that one token.
@@ -115,7 +108,7 @@ def test_min_tokens_and_stop_ids_match_hf(engine, hf, smollm2_tokenizer):
     (plain,) = run_requests(engine, [prompt], [_beams(3, 3, 0.0, False, 16)])
     stop = plain.outputs[0].token_ids[0]
     (ours,) = run_requests(engine, [prompt], [_beams(3, 3, 0.0, False, 16, stop_token_ids=[stop])])
-    _check_same(ours, _hf_beams(hf, prompt, [*eos, stop], 3, 3, 0.0, False, 16), [*eos, stop], 0.0)
+    _check_same(ours, _hf_beams(hf_smollm2, prompt, [*eos, stop], 3, 3, 0.0, False, 16), [*eos, stop], 0.0)
     assert any(o.stop_reason == stop for o in ours.outputs)
 
 

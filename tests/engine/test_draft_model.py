@@ -23,11 +23,13 @@ from jaxserve.weights import load_model
 
 pytestmark = pytest.mark.slow
 
-# 9 usable pages of 16 tokens: the four requests below cannot all fit, so some are preempted.
+# 11 usable pages of 16 tokens: the four requests below cannot all fit, so some are preempted.
 # Two decode buckets (each also a verify step, for both models: a compile of 5-12 s apiece on two
-# cores), one prefill bucket: which bucket pads a batch changes no token.
+# cores), one prefill bucket: which bucket pads a batch changes no token. The cache and the buckets
+# are test_engine.py's, whose plain engine then reads the target's steps back from the compilation
+# cache.
 SMALL = EngineConfig(
-    cache=CacheConfig(page_size=16, num_pages=10),
+    cache=CacheConfig(page_size=16, num_pages=12),
     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240,
                               speculative_method="draft", num_speculative_tokens=4, decode_buckets=(2, 4),
                               prefill_buckets=(32,)),
@@ -53,7 +55,7 @@ def test_outputs_equal_plain_decoding_and_drafts_are_accepted(engine, smollm2_to
     prompts = [tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]), fib,
                tok.encode("The three laws of robotics are"), tok.encode("Once upon a time, in a small village,"),
                fib]  # again: its first page comes from the prefix cache
-    # 60 tokens each: four rows of 70-90 tokens overflow the 144-token cache several times over.
+    # 60 tokens each: four rows of 70-90 tokens overflow the 176-token cache several times over.
     params = [SamplingParams(temperature=0.0, max_tokens=60), SamplingParams(temperature=0.0, max_tokens=60),
               SamplingParams(temperature=0.8, seed=3, max_tokens=60, n=2),
               SamplingParams(temperature=0.0, max_tokens=60, repetition_penalty=1.3),  # does not speculate

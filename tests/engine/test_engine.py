@@ -25,9 +25,13 @@ LONG = (
 )
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", LONG, "1, 2, 3, 4,"]
 # 11 usable pages of 16 tokens (176 tokens): four concurrent 46-85-token sequences cannot all fit.
+# Two decode buckets and one prefill bucket, not every power of two: each is a compile of the
+# 30-layer model (5-7 s on two cores), and which bucket pads a batch changes no token.
+# test_speculative.py builds the same steps (read back from the compilation cache).
 SMALL = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=12),
-    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240,
+                              decode_buckets=(2, 4), prefill_buckets=(32,)),
 )
 
 

@@ -3,6 +3,8 @@ preemption, prefix hits, sliding windows longer than a page) equals the no-cache
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -17,9 +19,12 @@ from tiny_models import TINY_CONFIGS, make_tiny_model, save_tiny_tokenizer
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45, 46], [1, 42], [1, 9, 8, 7, 6, 5, 4]]
+# One decode bucket: every architecture compiles its steps here, and which bucket pads a batch
+# changes no token; the one-token bucket has its own test below.
 CONFIG = EngineConfig(
     cache=CacheConfig(page_size=4, num_pages=14),  # 13 usable pages of 4 tokens: forces preemption
-    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48),
+    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48,
+                              decode_buckets=(2,)),
 )
 
 
@@ -49,7 +54,8 @@ def test_padded_one_token_steps_equal_reference(tmp_path):
     make_tiny_model("llama3", tmp_path)
     save_tiny_tokenizer(tmp_path)
     model = load_model(tmp_path, "float32", use_cache=False).model
-    engine = build_engine(model, load_tokenizer(tmp_path), CONFIG, compile=False)
+    one_token = dataclasses.replace(CONFIG, scheduler=dataclasses.replace(CONFIG.scheduler, decode_buckets=(1, 2)))
+    engine = build_engine(model, load_tokenizer(tmp_path), one_token, compile=False)
     engine.runner.min_rows = 2  # what a bfloat16 model on the CPU gets
     compile_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -33,10 +33,12 @@ FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 HLO_NAMES = {"fp8_e4m3": "f8e4m3fn", "fp8_e5m2": "f8e5m2"}
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45, 46], [1, 42], [1, 9, 8, 7, 6, 5, 4]]
 # 13 usable pages of 4 tokens: three sequences of up to 39 tokens cannot all fit, so some are
-# preempted and recomputed; prefills come in chunks of 16 tokens.
+# preempted and recomputed; prefills come in chunks of 16 tokens. One decode bucket: which bucket
+# pads a batch changes no token.
 CONFIG = EngineConfig(
     cache=CacheConfig(page_size=4, num_pages=14),
-    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48),
+    scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2, max_model_len=48,
+                              decode_buckets=(2,)),
 )
 
 

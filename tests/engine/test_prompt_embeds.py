@@ -22,7 +22,9 @@ from tiny_models import make_tiny_model
 PROMPT = [1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45, 46]
 CONFIG = EngineConfig(
     cache=CacheConfig(page_size=4, num_pages=14),  # 13 usable pages: three long requests preempt
-    scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_prefill_seqs=2, max_model_len=48),
+    # One decode bucket: which bucket pads a batch changes no token.
+    scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_prefill_seqs=2, max_model_len=48,
+                              decode_buckets=(3,)),
     enable_prompt_embeds=True,
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

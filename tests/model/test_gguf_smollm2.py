@@ -38,16 +38,13 @@ def prompts(tokenizer):
     return raw + [tokenizer.encode_chat(c) for c in CHATS]
 
 
-def test_greedy_continuations_match_hf(prompts):
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_continuations_match_hf(prompts, hf_smollm2):
     loaded = load_model(smollm2_dir() / GGUF_NAME, "float32", use_cache=False)
     assert loaded.config.dtype == "q4_1"  # what --dtype auto sees: quantized, so bfloat16 where native
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=GGUF_NAME, dtype=torch.float32).eval()
     theirs = []
     for prompt in prompts:
         with torch.no_grad():
-            out = hf.generate(
+            out = hf_smollm2.generate(
                 torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                 eos_token_id=None, pad_token_id=0,
             )
