@@ -380,16 +380,17 @@ def _buckets(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[in
         value = getattr(args, flag)
         if isinstance(value, int) and not isinstance(value, bool):  # a config file's single size
             value = [value]
-        lists.append(None if value is None else tuple(value))
+        lists.append(value)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            decode_buckets=lists[0], prefill_buckets=lists[1])
     try:
-        BucketTable(SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    decode_buckets=lists[0], prefill_buckets=lists[1]))
+        BucketTable(sched)
     except ValueError as e:
         message = str(e)
         for name in ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens"):
             message = message.replace(name, "--" + name.replace("_", "-"))
         raise ConfigError(message) from None
-    return lists[0], lists[1]
+    return sched.decode_buckets, sched.prefill_buckets
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -84,6 +84,14 @@ class SchedulerConfig:
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two up to max_num_seqs
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16 to max_num_batched_tokens
 
+    def __post_init__(self) -> None:
+        # Any sequence is taken (a command line's or a caller's list); kept as a tuple, so that the
+        # frozen config stays hashable and equal to one built from the same sizes.
+        for name in ("decode_buckets", "prefill_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:

@@ -372,11 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.models.config import decoder_config_from_hf
 
-    decode_buckets, prefill_buckets = (None if b is None else tuple(b) for b in (args.decode_buckets,
-                                                                                 args.prefill_buckets))
     try:  # the grid first: a mistyped bucket list should not wait for the topology
-        BucketTable(SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets))
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets)
+        BucketTable(sched)
     except ValueError as e:
         print(f"jaxserve.plan: {e}", file=sys.stderr)
         return 2
@@ -392,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                   page_size=args.page_size, num_pages=args.num_pages,
                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  decode_buckets=decode_buckets, prefill_buckets=prefill_buckets)
+                  decode_buckets=sched.decode_buckets, prefill_buckets=sched.prefill_buckets)
     print(format_plan(result))
     if args.json:
         Path(args.json).write_text(json.dumps(dataclasses.asdict(result), indent=1))
