@@ -255,7 +255,7 @@ def _sampler_cost(vocab_size: int, batch: Any, replicated: Any, chip: str) -> An
     from jaxserve.engine.sampler import sample
 
     def step(b: Any, logits: jax.Array, slots: jax.Array, steps: jax.Array) -> Any:
-        return sample(logits, device_batch.sampling_rows(b, slots, steps))
+        return sample(logits, device_batch.sampling_rows(b, slots, steps), row_loops=True)  # TPU's forms
 
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batch))
 

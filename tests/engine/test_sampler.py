@@ -381,6 +381,44 @@ def test_grammar_mask_shape_is_checked():
         make_sampling_batch([RowParams(constrained=True)], V, 1, allowed_masks=[np.zeros(3, np.uint32)])
 
 
+def test_row_loops_sample_exactly_what_the_batch_forms_do():
+    """The TPU programs' loop forms (row_loops) against the batch-wide forms every other test checks:
+    the same tokens and logprobs, bit for bit, for rows of every kind, over 3 blocks of the draw and
+    with slots in another order than the rows (the per-slot state is read through `slots`)."""
+    rows_n = 24
+    logits = _logits(14, rows=rows_n)
+    logits[5, 8:] = -np.inf  # row 5: the ban below leaves nothing finite, so it is lifted
+    kinds = [
+        make_row(temperature=0.0, num_logprobs=3),
+        make_row(temperature=0.8, seed=1, top_k=5, num_logprobs=2, processed_logprobs=True),
+        make_row(temperature=1.0, seed=2, top_p=0.7, min_p=0.05),
+        make_row(temperature=1.2, seed=3, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4,
+                 output_tokens=[1, 2, 2, 9], prompt_tokens=[4, 9, 30]),
+        make_row(temperature=0.0, logit_bias={7: 4.0, 50: -3.0}, banned_ids=[0, 7, 63]),
+        make_row(temperature=1.0, seed=4, banned_ids=list(range(8))),
+        make_row(temperature=0.7, seed=5, allowed_mask=_packed([3, 9, 40]), banned_ids=[9]),
+        make_row(temperature=0.0, allowed_mask=_packed([12, 13]), repetition_penalty=2.0, prompt_tokens=[12]),
+    ]
+    rows = [replace(kinds[i % len(kinds)], step=i) for i in range(rows_n)]
+    batch = _batch(rows, V, rows_n)
+    slots = np.random.default_rng(0).permutation(rows_n).astype(np.int32)  # row i reads slot slots[i]
+    per_slot = {}
+    for name in ("counts", "prompt_mask", "allowed"):
+        table = getattr(batch, name)
+        moved = np.zeros_like(table)
+        moved[slots] = table
+        per_slot[name] = moved
+    batch = batch.replace(slots=slots, **per_slot)
+
+    loops = jax.jit(lambda x, b: sample(x, b, row_loops=True))(jnp.asarray(logits), batch)
+    plain = SAMPLE(jnp.asarray(logits), batch)
+    for field in ("token", "logprob", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(loops, field)), np.asarray(getattr(plain, field)), field)
+    # and the batch forms read the moved state correctly: same as the rows in their own slots
+    np.testing.assert_array_equal(np.asarray(plain.token), _run(logits, rows).token)
+    assert np.asarray(plain.token)[5] < 8 and np.isfinite(np.asarray(plain.logprob)).all()
+
+
 # ---------------------------------------------------------------------------------------- logprobs
 
 
