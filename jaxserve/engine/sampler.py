@@ -57,7 +57,7 @@ Decisions worth knowing:
   vocabulary-wide per-slot rows (penalty state, grammar masks), the bans' scatter, and the draw
   over many rows at once. `row_loops=True` (the engine sets it for TPU programs) computes the same
   values in loops over rows (blocks of 8 for the draw): at 64 rows over a 128k vocabulary, one v6e
-  chip, the sampler went from 165k instruction bundles and 13.8 s of compile to 85k and 6.3 s.
+  chip, the sampler went from 165k instruction bundles and 13.8 s of compile to 83k and 5.0 s.
   XLA:CPU is the other way round (the loops add fusions, ~8 ms of compile each), so other
   platforms keep the batch-wide forms.
 """
@@ -180,29 +180,22 @@ def _apply_bias(x: Array, bias_ids: Array, bias_values: Array) -> Array:
 
 
 def _slot_rows(row_loops: bool, slots: Array, *tables: Array) -> tuple[Array, ...]:
-    """table[slots] for each per-slot table [slots, N]; with row_loops as a loop of row copies.
+    """table[slots] for each per-slot table [slots, N]; with row_loops one row copy at a time.
 
     XLA:TPU compiles a gather of whole vocabulary-wide rows into a large program: the penalty
-    state's two gathers were 41k instruction bundles at 64 rows over a 128k vocabulary, the loop of
-    dynamic slices is 7k, and it moves the same bytes. Elsewhere the gather is the smaller program."""
+    state's two gathers were 41k instruction bundles at 64 rows over a 128k vocabulary, a loop of
+    row copies 7k, and it moves the same bytes. Elsewhere the gather is the smaller program."""
 
-    def copy(i: Array, out: tuple[Array, ...]) -> tuple[Array, ...]:
-        return tuple(jax.lax.dynamic_update_index_in_dim(o, jax.lax.dynamic_index_in_dim(t, slots[i], keepdims=False),
-                                                         i, axis=0)
-                     for o, t in zip(out, tables))
-
-    def loop() -> tuple[Array, ...]:
-        empty = tuple(jnp.zeros((slots.shape[0], *t.shape[1:]), t.dtype) for t in tables)
-        return jax.lax.fori_loop(0, slots.shape[0], copy, empty)
-
-    return loop() if row_loops else tuple(t[slots] for t in tables)
+    if row_loops:
+        return jax.lax.map(lambda slot: tuple(t[slot] for t in tables), slots)
+    return tuple(t[slots] for t in tables)
 
 
 def _apply_grammar(x: Array, batch: SamplingBatch, row_loops: bool) -> Array:
     rows, vocab_size = x.shape
     shifts = jnp.arange(32, dtype=jnp.uint32)
-    (allowed,) = _slot_rows(row_loops, batch.slots, batch.allowed)
-    bits = (allowed[:, :, None] >> shifts) & jnp.uint32(1)  # [B, W, 32]
+    (words,) = _slot_rows(row_loops, batch.slots, batch.allowed)
+    bits = (words[:, :, None] >> shifts) & jnp.uint32(1)  # [B, W, 32]
     allowed = bits.reshape(rows, -1)[:, :vocab_size].astype(bool)
     return jnp.where(batch.constrained[:, None] & ~allowed, _NEG_INF, x)
 
@@ -218,11 +211,9 @@ def _apply_bans(x: Array, banned_ids: Array, row_loops: bool) -> Array:
         banned = _scatter_rows(x, ids).set(_NEG_INF, mode="drop", unique_indices=True)
         return jnp.where(jnp.all(banned == _NEG_INF, axis=-1, keepdims=True), x, banned)
 
-    def one_row(i: Array, x: Array) -> Array:
-        row = ban(jax.lax.dynamic_slice_in_dim(x, i, 1), jax.lax.dynamic_slice_in_dim(ids, i, 1))
-        return jax.lax.dynamic_update_slice_in_dim(x, row, i, axis=0)
-
-    return jax.lax.fori_loop(0, x.shape[0], one_row, x) if row_loops else ban(x, ids)
+    if row_loops:
+        return jax.lax.map(lambda row: ban(row[0][None], row[1][None])[0], (x, ids))
+    return ban(x, ids)
 
 
 def _apply_penalties(x: Array, batch: SamplingBatch, row_loops: bool) -> Array:
@@ -259,11 +250,8 @@ def _draw(scaled: Array, batch: SamplingBatch, is_random: Array, fallback: Array
     if not row_loops or rows % _DRAW_BLOCK or rows == _DRAW_BLOCK:
         return _draw_rows(*per_row)
 
-    def block(i: Array, token: Array) -> Array:
-        part = [jax.lax.dynamic_slice_in_dim(a, i * _DRAW_BLOCK, _DRAW_BLOCK) for a in per_row]
-        return jax.lax.dynamic_update_slice_in_dim(token, _draw_rows(*part), i * _DRAW_BLOCK, 0)
-
-    return jax.lax.fori_loop(0, rows // _DRAW_BLOCK, block, jnp.zeros(rows, jnp.int32))
+    blocks = [a.reshape(rows // _DRAW_BLOCK, _DRAW_BLOCK, *a.shape[1:]) for a in per_row]
+    return jax.lax.map(lambda part: _draw_rows(*part), blocks).reshape(rows)
 
 
 def _draw_rows(scaled: Array, min_p: Array, top_k: Array, top_p: Array, is_random: Array, seed: Array,
