@@ -239,9 +239,12 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                         config = {key: val for key, val in best[1].items() if key != "scale"}
                         row[name] = dict(ms=best[0] * 1e3, tb_per_s=kv_bytes / best[0] / 1e12, config=config)
 
+                # An 8-bit cache's block of 128 keys is half the bytes of a bf16 one: its kernel read
+                # only 1.84 TB/s at 64 and 128 keys per block on the H100 (RESULTS.md), so it tries 256.
+                keys = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
                 ours = [
                     dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages)
-                    for ppb in sorted({max(1, 64 // page_size), max(1, 128 // page_size)})
+                    for ppb in sorted({max(1, n // page_size) for n in keys})
                     for splits in (None, 1)
                     for warps in (4, 8)
                     for stages in args.num_stages

@@ -265,3 +265,46 @@ def test_overlapped_steps_and_the_decode_loop_give_the_same_outputs(engine, mode
             assert np.allclose(values, [[lp, *(v for _, v in top)] for _, lp, top in theirs], atol=1e-4)
     reasons = [o[2] for request in outputs[0] for o in request]
     assert reasons.count("stop") >= 3 and "length" in reasons
+
+
+def test_text_work_runs_while_a_blocking_step_call_waits(engine, smollm2_tokenizer):
+    """On a GPU, calling a compiled decode loop returns only once the loop has ended (XLA:GPU reads
+    the loop's condition back after every iteration). The engine calls the runner on its dispatch
+    thread, so `step()` returns step N's text while step N+1's call still blocks: here a runner
+    whose `execute` returns only when the test lets it. Outputs equal the engine's own."""
+    import threading
+
+    from jaxserve.engine.core import Engine
+
+    gate, entered, inside = threading.Semaphore(0), threading.Semaphore(0), []
+
+    class BlockingRunner:  # the engine's real runner; each call returns only when the gate opens
+        def execute(self, step):
+            inside.append(step)
+            entered.release()
+            try:
+                handle = engine.runner.execute(step)
+                assert gate.acquire(timeout=5), "the test never opened the gate: step() was blocked"
+                return handle
+            finally:
+                inside.remove(step)
+
+        def close(self) -> None:
+            pass
+
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = _run(engine, [prompt], params, "unblocked")[0].outputs[0]
+    blocked = Engine(engine.scheduler, engine.builder, BlockingRunner(), engine.tokenizer, engine.info)
+    blocked.add_request("blocked", prompt, params)
+    text, tokens, finished = "", [], False
+    while not finished:
+        deltas = blocked.step()
+        if blocked.has_unfinished():  # step() came back while the step it dispatched is inside the call
+            assert entered.acquire(timeout=5) and len(inside) == 1
+        for d in deltas:
+            text, tokens, finished = text + d.outputs[0].text, tokens + d.outputs[0].token_ids, d.finished
+        gate.release()
+    blocked.close()
+    engine.check_idle_integrity()
+    assert (text, tokens) == (expected.text, expected.token_ids) and len(tokens) == 6
