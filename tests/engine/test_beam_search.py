@@ -22,18 +22,18 @@ from jaxserve.weights import load_model
 
 pytestmark = pytest.mark.slow
 
-# A few buckets, not every power of two: each is a compile of the 30-layer model (5-12 s on two
-# cores), and which bucket pads a batch changes no token (tests/engine/test_engine.py).
+# One bucket of each kind, not every power of two: each is a compile of the 30-layer model (5-12 s
+# on two cores), and which bucket pads a batch changes no token (tests/engine/test_engine.py).
 CONFIG = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=96),
     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=4, max_model_len=256,
-                              decode_buckets=(4, 8), prefill_buckets=(32, 64)),
+                              decode_buckets=(8,), prefill_buckets=(64,)),
     check_integrity=True,
 )
 # 21 usable pages of 8 tokens: one 4-beam search of 42 tokens fits (21 pages without sharing),
 # two beside two other requests do not.
 SMALL = dataclasses.replace(CONFIG, cache=CacheConfig(page_size=8, num_pages=22),
-                            scheduler=dataclasses.replace(CONFIG.scheduler, max_num_seqs=12, decode_buckets=(4, 12),
+                            scheduler=dataclasses.replace(CONFIG.scheduler, max_num_seqs=12, decode_buckets=(12,),
                                                           prefill_buckets=(64,)))
 
 # (beams, returned, length_penalty, early_stopping, max_tokens)

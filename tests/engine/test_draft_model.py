@@ -24,14 +24,14 @@ from jaxserve.weights import load_model
 pytestmark = pytest.mark.slow
 
 # 11 usable pages of 16 tokens: the four requests below cannot all fit, so some are preempted.
-# Two decode buckets (each also a verify step, for both models: a compile of 5-12 s apiece on two
-# cores), one prefill bucket: which bucket pads a batch changes no token. The cache and the buckets
-# are test_engine.py's, whose plain engine then reads the target's steps back from the compilation
+# One decode bucket (also a verify step, for both models: a compile of 5-12 s apiece on two cores)
+# and one prefill bucket: which bucket pads a batch changes no token. The cache and the buckets are
+# test_engine.py's (its decode bucket of 4), so the plain steps are read back from the compilation
 # cache.
 SMALL = EngineConfig(
     cache=CacheConfig(page_size=16, num_pages=12),
     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=2, max_model_len=240,
-                              speculative_method="draft", num_speculative_tokens=4, decode_buckets=(2, 4),
+                              speculative_method="draft", num_speculative_tokens=4, decode_buckets=(4,),
                               prefill_buckets=(32,)),
     check_integrity=True,
 )
