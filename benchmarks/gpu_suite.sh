@@ -89,8 +89,11 @@ if wanted step_profile; then
   done
 fi
 if wanted kernels_fp8; then
-  run kernels_fp8 180 "$py" -m benchmarks.kernels --batch 1 64 256 --context 2048 --page-size 16 \
-    --prefill-chunk 2048 --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --out "$out/kernels_fp8.json"
+  # 3 pipeline stages as well as 2: an 8-bit block holds half the bytes in flight of a bf16 one
+  # (the fp8 kernel read only 1.84 TB/s with 2 stages on 2026-11-26, RESULTS.md).
+  run kernels_fp8 240 "$py" -m benchmarks.kernels --batch 1 64 256 --context 2048 --page-size 16 \
+    --prefill-chunk 2048 --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --num-stages 2 3 \
+    --out "$out/kernels_fp8.json"
 fi
 if wanted step_profile_fp8; then
   run step_profile_fp8_k8 270 "$py" -m benchmarks.step_profile --model "$model" --load-format dummy \
