@@ -89,6 +89,7 @@ class _Dispatcher:
         return done
 
     def close(self) -> None:
+        """Wait for every call asked for to end, then stop the thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -421,10 +422,7 @@ class Engine:
     def close(self) -> None:
         """After the last step (from the thread that ran the steps): a multi-host job's other
         processes are told to stop."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is not None:  # let the step in flight end before the runner closes
-            concurrent.futures.wait([flight.handle])
-        self._dispatcher.close()
+        self._dispatcher.close()  # returns once the step in flight, if any, has ended
         self.runner.close()
 
     def check_idle_integrity(self) -> None:
