@@ -13,6 +13,12 @@ but a decode step's `lax.while_loop` on a GPU returns only when the loop has end
 the loop's condition back to the host after every iteration. Called on the engine thread, that
 put step N's text work after step N+1's loop instead of beside it: every delta, the first token
 too, reached its client one device loop late (an H100 at batch 1: TTFT 90 ms, 38 ms on a thread).
+
+Between two decode steps the host reads one's tokens, plans the next and builds its inputs; with
+the device waiting for those, that is idle device time every step (an H100 at batch 256: ~15 ms
+per 191 ms step). When the running step is a plain decode batch (no arrivals, no grammar, beams or
+drafts), the next one is dispatched before its tokens are read (`Scheduler.schedule_ahead`), and
+the host's work runs beside the device's.
 """
 
 from __future__ import annotations
@@ -113,6 +119,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_steps_ahead = 0  # decode steps dispatched before the step they follow was read
         self.num_draft_tokens = 0  # speculative decoding, over all requests
         self.num_accepted_draft_tokens = 0
         self.stats = Stats()
@@ -254,9 +261,18 @@ class Engine:
         EOS / stop-token / length endings) is settled before it is scheduled; only the text work
         (incremental detokenizing, stop strings, logprob objects, deltas) overlaps it. A stop
         string found there ends its sequence one step late: the tokens the next step computes for
-        it are dropped unread, and its pages are freed before any later step is planned."""
+        it are dropped unread, and its pages are freed before any later step is planned.
+
+        A plain decode batch goes further: the step after the one in flight is planned and
+        dispatched before that one's tokens are read (`_dispatch_ahead`), its rows' tokens taken
+        on the device. A row that turns out to have ended (EOS, a stop id) in the step it followed
+        is dropped the same way."""
+        ahead = self._dispatch_ahead() if self.overlap else None
         accepted = self._complete()
-        self._dispatch()
+        if ahead is not None:
+            self._in_flight = ahead
+        else:
+            self._dispatch()
         if not self.overlap:
             accepted += self._complete()
         outputs = self.post.emit(accepted, self.requests) + self._beam_results
@@ -275,6 +291,21 @@ class Engine:
         targets = [self._prompt_targets(c) for c in out.prefills]
         commands = self.builder.build(out, targets, grammar_mask=lambda seq, mask: seq.matcher.fill_mask(mask))
         self._in_flight = _InFlight(out, self._dispatcher.execute(commands), targets)
+
+    def _dispatch_ahead(self) -> _InFlight | None:
+        """Dispatch the decode step after the one in flight before reading its tokens, when the
+        scheduler can plan it now (`Scheduler.schedule_ahead`): the host's work between two steps
+        (reading one's tokens, planning and building the next) then runs while the device computes,
+        instead of between the steps with the device idle."""
+        flight = self._in_flight
+        if flight is None:
+            return None
+        out = self.scheduler.schedule_ahead(flight.out)
+        if out is None:
+            return None
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        return _InFlight(out, self._dispatcher.execute(self.builder.build(out)), [])
 
     def _complete(self) -> list[Accepted]:
         """Wait for the step in flight (if any) and update from its outputs."""

@@ -6,7 +6,9 @@ once (`set_rows`): sampling parameters, logit bias, bans, end ids. After that a 
 what changed: new page-table entries, this step's grammar masks, and the step's tokens and
 positions. Penalty counts are updated on the device from the sampled tokens (`record_tokens`),
 never rebuilt from token histories on the host, so nothing a step sends grows with
-max_model_len. Steps read their rows through `slots` (a gather of a few numbers per row; the
+max_model_len. Each decoding row's last sampled token is kept too (`last_token`): a decode step
+dispatched before the host has read the previous one's tokens (jaxserve.engine.core) takes its
+rows' tokens from there. Steps read their rows through `slots` (a gather of a few numbers per row; the
 [slots, V] arrays only inside the sampler branches that need them).
 
 Slot `num_slots - 1` is never given to a sequence: padding rows of a bucket read it (greedy, no
@@ -36,6 +38,7 @@ class DeviceBatch:
     prompt_mask: Array  # bool[num_slots, V]: prompt tokens (repetition penalty)
     allowed: Array  # u32[num_slots, ceil(V / 32)]: grammar masks of constrained rows, rewritten every step
     page_tables: Array  # i32[num_slots, max_pages_per_seq]
+    last_token: Array  # i32[num_slots]: the token each row's last decode iteration sampled
 
     @property
     def num_slots(self) -> int:
@@ -53,6 +56,7 @@ def abstract_batch(num_slots: int, vocab_size: int, max_pages_per_seq: int, shar
         prompt_mask=spec((num_slots, vocab_size), jnp.bool_),
         allowed=spec((num_slots, mask_words(vocab_size)), jnp.uint32),
         page_tables=spec((num_slots, max_pages_per_seq), jnp.int32),
+        last_token=spec((num_slots,), jnp.int32),
     )
 
 
@@ -65,7 +69,7 @@ def create_batch(num_slots: int, vocab_size: int, max_pages_per_seq: int, shardi
         rows = {name: jnp.broadcast_to(jnp.asarray(padding[name][0]), s.shape) for name, s in shapes.rows.items()}
         zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
         return DeviceBatch(rows, zeros(shapes.counts), zeros(shapes.prompt_mask), zeros(shapes.allowed),
-                           zeros(shapes.page_tables))
+                           zeros(shapes.page_tables), zeros(shapes.last_token))
 
     return jax.jit(make, out_shardings=sharding)()
 
@@ -78,7 +82,7 @@ def set_rows(batch: DeviceBatch, slots: Array, rows: dict[str, Array]) -> Device
     new_rows = {name: batch.rows[name].at[slots].set(rows[name], mode="drop") for name in batch.rows}
     clear = lambda a: a.at[slots].set(jnp.zeros(a.shape[1:], a.dtype), mode="drop")  # noqa: E731
     return DeviceBatch(new_rows, clear(batch.counts), clear(batch.prompt_mask), clear(batch.allowed),
-                       clear(batch.page_tables))
+                       clear(batch.page_tables), clear(batch.last_token))
 
 
 def add_tokens(batch: DeviceBatch, slots: Array, ids: Array, prompt: Array) -> DeviceBatch:
@@ -137,6 +141,19 @@ def record_tokens(batch: DeviceBatch, slots: Array, tokens: Array, valid: Array)
     """Count each valid row's sampled token (the penalties of its next steps see it)."""
     counted = jnp.where(valid, slots, batch.counts.shape[0])
     return batch.replace(counts=batch.counts.at[counted, tokens].add(1, mode="drop"))
+
+
+def set_last_tokens(batch: DeviceBatch, slots: Array, tokens: Array, valid: Array) -> DeviceBatch:
+    """Keep each valid row's sampled token as its last (rows are distinct slots; padding rows,
+    never valid, all read the padding slot and write its own value back)."""
+    last = jnp.where(valid, tokens, batch.last_token[slots])
+    return batch.replace(last_token=batch.last_token.at[slots].set(last))
+
+
+def step_tokens(batch: DeviceBatch, slots: Array, tokens: Array) -> Array:
+    """A decode step's input tokens: the host's, or where it sent -1 (it has not read them yet)
+    the row's last sampled token."""
+    return jnp.where(tokens < 0, batch.last_token[slots], tokens)
 
 
 def page_slots(batch: DeviceBatch, slots: Array, positions: Array, valid: Array, page_size: int) -> Array:

@@ -9,7 +9,9 @@ padded to the bucket), attends over the paged cache through the ragged attention
 token per chunk from the logits at its last token. A decode step runs up to `decode_steps`
 iterations of one token per row inside one `lax.while_loop`, feeding each sampled token back on
 the device; a row stops inside the loop when it samples an end id past min_tokens or reaches its
-length, and the loop stops when every row has or the host's iteration count is done. Both write
+length, and the loop stops when every row has or the host's iteration count is done. A row whose
+token the host sends as -1 starts from its last sampled token, kept in the device batch (a step
+dispatched ahead, before the host read the last one's tokens: jaxserve.engine.core). Both write
 the new K/V into the donated cache, read sampling parameters from the device batch through each
 row's slot, count the sampled tokens there for the penalties, and return only the sampled ids and
 logprobs.
@@ -245,6 +247,7 @@ class StepPrograms:
             sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, row_slots, steps),
                              row_loops=self.row_loops)
             batch = device_batch.record_tokens(batch, row_slots, sampled.token, active)
+            batch = device_batch.set_last_tokens(batch, row_slots, sampled.token, active)
             # (min_logprob: a draft model's loop ends a row at a draft below its confidence threshold.)
             ended = (device_batch.ends_row(batch, row_slots, steps, sampled.token) | (j + 1 >= remaining)
                      | (sampled.logprob < inp["min_logprob"]))
@@ -257,7 +260,8 @@ class StepPrograms:
             return (j < jnp.minimum(inp["num_steps"], k)) & jnp.any(active)
 
         active = jnp.arange(s) < inp["num_seqs"]
-        carry = (jnp.int32(0), kv, batch, inp["tokens"], inp["positions"], inp["steps"], active, empty,
+        tokens = device_batch.step_tokens(batch, row_slots, inp["tokens"])
+        carry = (jnp.int32(0), kv, batch, tokens, inp["positions"], inp["steps"], active, empty,
                  jnp.zeros(s, jnp.int32))
         if k == 1:  # one iteration: no loop around the model
             carry = body(carry)

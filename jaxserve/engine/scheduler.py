@@ -24,6 +24,10 @@ Engine contract, once per iteration, all on the engine thread (the scheduler is 
   scheduler.advance(out, counts)  # num_computed_tokens += computed tokens; full pages -> prefix cache
   scheduler.finish(seq, reason)   # for each stop: EOS, stop id/string, num_tokens == max_total_tokens
 
+While a decode step runs, the engine may plan the next one before appending its tokens
+(`schedule_ahead`: rows assumed to run all of the running step's iterations); it is then advanced
+like any other, after the step it followed.
+
 The engine never sets num_computed_tokens, pages, slots or status itself. `abort(request_id)` may
 be called between iterations; a sequence finished or aborted while its step ran is skipped by
 `advance`.
@@ -89,6 +93,9 @@ class SchedulerOutput:
     drafts: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
     # (source, destination) KV pages to copy before the step: the partial last pages of forked beams.
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # A step planned ahead (`Scheduler.schedule_ahead`): the tokens each decode row is assumed to
+    # sample in the step still running, not in its token_ids yet; its next token is on the device.
+    ahead: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -233,6 +240,45 @@ class Scheduler:
             plan.drafts = self._drafts(plan.decodes)
         if plan.decodes and not plan.prefills and not plan.preempted and not plan.drafts:
             plan.num_steps = self._decode_steps(plan.decodes)
+        return self._diff(plan)
+
+    def schedule_ahead(self, last: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after `last`, planned while `last` still runs and before its tokens are
+        appended: each of its rows assumed to run all of last.num_steps iterations (the step's
+        `ahead`), its next token read on the device. None unless that is the step `schedule()`
+        would plan then: `last` decoded every running sequence and nothing else, every row runs
+        unattended (no grammar, dynamic bans, beams or drafts), nothing waits to be admitted, and
+        the pages for the new step can be had without preempting anyone.
+
+        A row that ends inside `last` (EOS, a stop id) was planned on for nothing: the engine drops
+        its tokens unread, as it does a row a stop string ends a step late. Its K/V goes past its
+        end, into pages reserved for it here that no one else holds until the step has run. A row
+        that reaches its length inside `last` is left out."""
+        if (last.prefills or last.drafts or last.preempted or not last.decodes or self.waiting
+                or self.config.speculative_method is not None):
+            return None
+        running = set(self.running)
+        live = [s for s in last.decodes if s in running]
+        if len(live) != len(running) or not all(s.runs_unattended for s in live):
+            return None
+        ahead = last.num_steps
+        rows = [s for s in live if s.num_tokens + ahead < s.max_total_tokens]
+        if not rows:
+            return None
+        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens - ahead for s in rows))
+        for k in range(steps, 0, -1):
+            want = {s: self.allocator.pages_for(min(s.num_tokens + ahead + k - 1, s.max_total_tokens)) - len(s.pages)
+                    for s in rows}
+            if self.allocator.can_allocate(sum(want.values())):
+                for seq, num_new in want.items():
+                    if num_new > 0:
+                        seq.pages.extend(self.allocator.allocate(num_new))
+                return self._diff(SchedulerOutput(decodes=rows, num_steps=k, ahead=ahead))
+        return None
+
+    def _diff(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """`plan` with what changed on the host since the last output (freed slots, cut page
+        lists, forked beams and their page copies)."""
         plan.removed, self._freed = self._freed, []
         plan.cut, self._cut = self._cut, []
         # Forked beams first: a later admission of the same slot cannot come before its fork.

@@ -243,7 +243,7 @@ class StepInputBuilder:
             steps.decode = key
         elif out.decodes:
             key = self.decode_key(len(out.decodes))
-            payload = self._decode(key, out.decodes, out.num_steps)
+            payload = self._decode(key, out.decodes, out.num_steps, out.ahead)
             commands += self._pages(out.decodes, payload, key)
             commands.append(Command(key, payload))
             steps.decode = key
@@ -409,15 +409,17 @@ class StepInputBuilder:
         p["num_seqs"] = np.int32(len(rows))
         return p
 
-    def _decode(self, key: Key, seqs: list[Sequence], num_steps: int) -> Payload:
+    def _decode(self, key: Key, seqs: list[Sequence], num_steps: int, ahead: int = 0) -> Payload:
+        """ahead: the tokens each row samples in the step still running (a step planned ahead:
+        its rows' tokens, -1 here, are read on the device)."""
         p = self.empty(key)
         n = len(seqs)
         p["row_slots"].fill(self.num_slots - 1)
-        p["tokens"][:n] = [s.token_ids[-1] for s in seqs]
-        p["positions"][:n] = [s.num_tokens - 1 for s in seqs]
+        p["tokens"][:n] = [s.token_ids[-1] for s in seqs] if not ahead else -1
+        p["positions"][:n] = [s.num_tokens - 1 + ahead for s in seqs]
         p["row_slots"][:n] = [s.slot for s in seqs]
-        p["steps"][:n] = [s.num_output_tokens for s in seqs]
-        p["remaining"][:n] = [1 if s.beam is not None else s.max_total_tokens - s.num_tokens for s in seqs]
+        p["steps"][:n] = [s.num_output_tokens + ahead for s in seqs]
+        p["remaining"][:n] = [1 if s.beam is not None else s.max_total_tokens - s.num_tokens - ahead for s in seqs]
         p["num_seqs"] = np.int32(n)
         p["num_steps"] = np.int32(num_steps)
         p["min_logprob"].fill(-np.inf)

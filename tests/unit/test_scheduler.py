@@ -54,21 +54,33 @@ class FakeEngine:
         return seqs
 
     def step(self) -> SchedulerOutput:
-        plan = self.sched.schedule()
+        return self.apply(self.sched.schedule())
+
+    def apply(self, plan: SchedulerOutput, ends: dict[Sequence, int] | None = None) -> SchedulerOutput:
+        """Run `plan` as the device and the engine would. ends[seq]: the output index at which the
+        sequence samples an end token (it stops there, inside a decode loop too)."""
+        ends = ends or {}
         for chunk in plan.prefills:
             self._compute(chunk.seq, chunk.start, chunk.end)
-        decoded = {}
+        decoded, stopped = {}, []
         for seq in plan.decodes:  # up to plan.num_steps iterations, ending at the length, as the device loop
             decoded[seq] = 0
+            if seq.is_finished:  # ended in the step this one was planned after: its tokens are dropped
+                continue
             while decoded[seq] < plan.num_steps and seq.num_tokens < seq.max_total_tokens:
                 start = seq.num_computed_tokens + decoded[seq]
                 self._compute(seq, start, start + 1)
                 seq.token_ids.append(next_token(seq.token_ids))
                 decoded[seq] += 1
+                if ends.get(seq) == seq.num_output_tokens - 1:
+                    stopped.append(seq)
+                    break
         sampled = [c.seq for c in plan.prefills if c.samples]
         for seq in sampled:
             seq.token_ids.append(next_token(seq.token_ids))
         self.sched.advance(plan, decoded)
+        for seq in stopped:
+            self.sched.finish(seq, FinishReason.STOP)
         for seq in sampled + plan.decodes:
             if seq.num_tokens >= seq.max_total_tokens:
                 self.sched.finish(seq, FinishReason.LENGTH)
@@ -161,6 +173,74 @@ def test_a_nearly_full_cache_shortens_the_decode_loop_instead_of_dropping_it():
     engine.run()
     assert a.token_ids[5:] == expected_output(prompt(5), 20)
     assert b.token_ids[44:] == expected_output(prompt(44, 100), 2)
+
+
+def test_decode_steps_planned_ahead_continue_their_rows_and_write_only_their_own_pages():
+    """The engine plans a decode step while the one before it runs (schedule_ahead): each row
+    continues where that step leaves it, with pages for all its iterations reserved without
+    preempting anyone. A row that ends inside the running step (an end token) is dropped from the
+    step planned ahead, which on the device still writes K/V past the row's end: only into pages
+    the row held when it was planned, and never into a page the prefix cache serves later (the
+    fake attention checks every position it reads). Outputs equal running the steps one by one."""
+    engine = FakeEngine(num_pages=48, page_size=4, max_num_seqs=4, decode_steps=4)
+    sched, size = engine.sched, engine.alloc.page_size
+    seqs = [engine.submit(prompt(3 + i, 100 * i), max_tokens=m)[0] for i, m in enumerate((13, 9, 30, 2))]
+    ends = {seqs[2]: 18}  # an end token as its 19th output token, inside a loop
+    flight, planned, num_ahead = None, {}, 0
+    while sched.has_unfinished() or flight is not None:
+        ahead = sched.schedule_ahead(flight) if flight is not None else None
+        if ahead is not None:
+            num_ahead += 1
+            assert ahead.ahead == flight.num_steps and not ahead.prefills and 1 <= ahead.num_steps <= 4
+            for seq in ahead.decodes:
+                start = seq.num_tokens - 1 + ahead.ahead
+                end = min(start + ahead.num_steps, seq.max_total_tokens - 1)
+                assert end <= len(seq.pages) * size
+                planned[id(ahead), seq] = (start, end, list(seq.pages))
+        if flight is not None:
+            for seq in flight.decodes:  # what the device wrote for rows that had ended
+                if flight.ahead and seq.is_finished:
+                    start, end, pages = planned[id(flight), seq]
+                    for pos in range(start, end):
+                        engine.kv[pages[pos // size], pos % size] = -1
+                elif flight.ahead:
+                    assert seq.num_tokens - 1 == planned[id(flight), seq][0]  # it continues where it was assumed to be
+            engine.apply(flight, ends)
+        flight = ahead if ahead is not None else sched.schedule()
+        if flight.is_empty:
+            flight = None
+    sched.check_idle_integrity()
+    assert num_ahead >= 5
+    for seq, m in zip(seqs, (13, 9, 30, 2)):
+        want = expected_output(seq.prompt_ids, m)
+        assert seq.output_ids == (want[:19] if seq is seqs[2] else want)
+    assert seqs[2].finish_reason is FinishReason.STOP
+    # The ended row's full pages are served from the prefix cache, unharmed.
+    again = engine.submit(seqs[2].token_ids, max_tokens=3)[0]
+    engine.run()
+    assert again.num_cached_tokens >= 3 * size
+    assert again.output_ids == expected_output(seqs[2].token_ids, 3)
+
+
+def test_no_step_is_planned_ahead_while_a_sequence_waits_or_a_row_needs_the_host():
+    engine = FakeEngine(max_num_seqs=2, decode_steps=4)
+    a, b = (engine.submit(prompt(3, 10 * i), max_tokens=20)[0] for i in range(2))
+    engine.step()
+    plan = engine.step()
+    assert plan.decodes == [a, b] and engine.sched.schedule_ahead(plan) is not None  # (pages reserved)
+    c = engine.submit(prompt(3, 50), max_tokens=2)[0]
+    assert engine.sched.schedule_ahead(plan) is None  # c waits: the next plan admits it when it can
+    engine.run()
+    assert c.output_ids == expected_output(prompt(3, 50), 2)
+    d = engine.submit(prompt(3, 60), max_tokens=20)[0]
+    engine.step()
+    plan = engine.step()
+    d.matcher = object()  # a grammar: its mask needs the host after every token
+    assert engine.sched.schedule_ahead(plan) is None
+    d.matcher = None
+    engine.sched.abort(d.request_id)
+    assert engine.sched.schedule().is_empty
+    engine.sched.check_idle_integrity()
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():

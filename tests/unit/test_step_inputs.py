@@ -192,3 +192,27 @@ def test_verify_steps_keep_the_device_page_tables_exact_as_drafts_come_and_go():
             assert [device.get((seq.slot, i)) for i in range(len(seq.pages))] == seq.pages
             assert len(seq.pages) <= -(-seq.num_tokens // 4)  # no page held for rejected drafts
     assert not scheduler.has_unfinished() and verified > 10
+
+
+def test_a_decode_step_planned_ahead_takes_its_tokens_on_the_device():
+    """A step planned while the one before it runs (Scheduler.schedule_ahead) sends every row's
+    token as -1 (the device reads the row's last sampled token) and positions, output counts and
+    remaining lengths past the running step's iterations; the page entries it reserved go with it."""
+    scheduler, builder = _setup(max_model_len=512, batch=4, decode_steps=8)
+    seqs = [_seq(i, SamplingParams(max_tokens=200)) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    _run(scheduler, builder, 1)  # the prefills, one token each
+    running = scheduler.schedule()
+    builder.build(running)
+    assert running.num_steps == 8
+    ahead = scheduler.schedule_ahead(running)
+    assert ahead.ahead == 8 and ahead.decodes == seqs
+    payload = next(c.payload for c in builder.build(ahead).commands if c.key[0] == "decode")
+    n = len(seqs)
+    assert (payload["tokens"][:n] == -1).all() and int(payload["num_seqs"]) == n
+    assert payload["positions"][:n].tolist() == [28, 28, 28]  # 21 tokens, the running step writes 20..27
+    assert payload["steps"][:n].tolist() == [9, 9, 9]
+    assert payload["remaining"][:n].tolist() == [s.max_total_tokens - s.num_tokens - 8 for s in seqs]
+    # Its positions 28..35 reach each row's third page, reserved now and sent with the step.
+    assert sorted(zip(payload["page_slots"], payload["page_index"]))[:n] == [(s.slot, 2) for s in seqs]
