@@ -265,8 +265,9 @@ class Engine:
 
         A plain decode batch goes further: the step after the one in flight is planned and
         dispatched before that one's tokens are read (`_dispatch_ahead`), its rows' tokens taken
-        on the device. A row that turns out to have ended (EOS, a stop id) in the step it followed
-        is dropped the same way."""
+        on the device. A row that turns out to have ended in the step it followed runs nothing
+        there (EOS, a stop id: the device sees its last token end it) or is dropped the same way
+        (a stop string, an abort)."""
         ahead = self._dispatch_ahead() if self.overlap else None
         accepted = self._complete()
         if ahead is not None:

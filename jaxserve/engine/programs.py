@@ -11,7 +11,8 @@ iterations of one token per row inside one `lax.while_loop`, feeding each sample
 the device; a row stops inside the loop when it samples an end id past min_tokens or reaches its
 length, and the loop stops when every row has or the host's iteration count is done. A row whose
 token the host sends as -1 starts from its last sampled token, kept in the device batch (a step
-dispatched ahead, before the host read the last one's tokens: jaxserve.engine.core). Both write
+dispatched ahead, before the host read the last one's tokens: jaxserve.engine.core), and runs
+nothing if that token ended it. Both write
 the new K/V into the donated cache, read sampling parameters from the device batch through each
 row's slot, count the sampled tokens there for the penalties, and return only the sampled ids and
 logprobs.
@@ -259,8 +260,12 @@ class StepPrograms:
             j, active = carry[0], carry[6]
             return (j < jnp.minimum(inp["num_steps"], k)) & jnp.any(active)
 
-        active = jnp.arange(s) < inp["num_seqs"]
         tokens = device_batch.step_tokens(batch, row_slots, inp["tokens"])
+        # A row of a step dispatched ahead whose last token ended it in the step before (an end id
+        # past min_tokens; a live row's last token never is one): the host drops the row, so it
+        # runs no iteration and writes nothing, and a step of such rows only returns.
+        ended = (inp["tokens"] < 0) & device_batch.ends_row(batch, row_slots, inp["steps"] - 1, tokens)
+        active = (jnp.arange(s) < inp["num_seqs"]) & ~ended
         carry = (jnp.int32(0), kv, batch, tokens, inp["positions"], inp["steps"], active, empty,
                  jnp.zeros(s, jnp.int32))
         if k == 1:  # one iteration: no loop around the model

@@ -250,10 +250,11 @@ class Scheduler:
         unattended (no grammar, dynamic bans, beams or drafts), nothing waits to be admitted, and
         the pages for the new step can be had without preempting anyone.
 
-        A row that ends inside `last` (EOS, a stop id) was planned on for nothing: the engine drops
-        its tokens unread, as it does a row a stop string ends a step late. Its K/V goes past its
-        end, into pages reserved for it here that no one else holds until the step has run. A row
-        that reaches its length inside `last` is left out."""
+        A row that ends inside `last` was planned on for nothing. Ended by EOS or a stop id, it
+        runs no iteration: the device sees its last token end it. Ended by a stop string or an
+        abort, its tokens are dropped unread, as a stop string's row a step late always was, and
+        its K/V goes past its end, into pages reserved for it here that no one else holds until
+        the step has run. A row that reaches its length inside `last` is left out."""
         if (last.prefills or last.drafts or last.preempted or not last.decodes or self.waiting
                 or self.config.speculative_method is not None):
             return None

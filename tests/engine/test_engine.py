@@ -311,3 +311,40 @@ def test_text_work_runs_while_a_blocking_step_call_waits(engine, smollm2_tokeniz
     blocked.close()
     engine.check_idle_integrity()
     assert (text, tokens) == (expected.text, expected.token_ids) and len(tokens) == 6
+
+
+def test_a_row_that_ended_runs_nothing_in_the_step_dispatched_ahead(engine, smollm2_tokenizer):
+    """The step after a plain decode step is dispatched before that step's tokens are read
+    (Scheduler.schedule_ahead). A row that samples a stop id there is in the step already
+    dispatched: the device sees its last token end it, so it samples nothing more. Every token the
+    device samples is one the client gets: the prefill's, then the decode steps' (num_sampled),
+    with none left over for the ended row."""
+    from jaxserve.engine.core import Engine
+
+    prompt = smollm2_tokenizer.encode("The capital of France is")
+    base = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), "base")[0]
+    stop_id = base.outputs[0].token_ids[2]
+    assert stop_id not in base.outputs[0].token_ids[:2]
+    steps = []
+
+    class RecordingRunner:  # the engine's real runner; keeps each step's outputs
+        def execute(self, step):
+            handle = engine.runner.execute(step)
+            steps.append(handle)
+            return handle
+
+        def close(self) -> None:
+            pass
+
+    recorded = Engine(engine.scheduler, engine.builder, RecordingRunner(), engine.tokenizer, engine.info)
+    recorded.add_request("stops", prompt, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_id]))
+    out = run_to_completion(recorded, ["stops"])["stops"].outputs[0]
+    while recorded.step():  # the step dispatched ahead after the last one read, if any
+        pass
+    recorded.close()
+    engine.check_idle_integrity()
+    assert out.token_ids == base.outputs[0].token_ids[:3] and out.finish_reason == "stop"
+    assert recorded.num_steps_ahead >= 2  # after the first decode step, and after the one that stopped
+    decoded = [int(h.decode_output().num_sampled[0]) for h in steps if h.decode_output() is not None]
+    assert decoded[-1] == 0  # the ended row's step dispatched ahead
+    assert 1 + sum(decoded) == len(out.token_ids)
