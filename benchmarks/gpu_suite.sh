@@ -90,8 +90,9 @@ if wanted step_profile; then
 fi
 if wanted kernels_fp8; then
   # 3 pipeline stages as well as 2: an 8-bit block holds half the bytes in flight of a bf16 one
-  # (the fp8 kernel read only 1.84 TB/s with 2 stages on 2026-11-26, RESULTS.md).
-  run kernels_fp8 240 "$py" -m benchmarks.kernels --batch 1 64 256 --context 2048 --page-size 16 \
+  # (the fp8 kernel read only 1.84 TB/s with 2 stages on 2026-11-26, RESULTS.md); and dots in
+  # float16 as well as bfloat16 (twice the settings: 48 a shape, ~5 minutes).
+  run kernels_fp8 420 "$py" -m benchmarks.kernels --batch 1 64 256 --context 2048 --page-size 16 \
     --prefill-chunk 2048 --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --num-stages 2 3 \
     --out "$out/kernels_fp8.json"
 fi

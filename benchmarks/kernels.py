@@ -242,12 +242,17 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                 # An 8-bit cache's block of 128 keys is half the bytes of a bf16 one: its kernel read
                 # only 1.84 TB/s at 64 and 128 keys per block on the H100 (RESULTS.md), so it tries 256.
                 keys = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
+                # An 8-bit cache may also be widened to float16 for the dots instead of q's bfloat16
+                # (one Triton conversion instruction per two values on Hopper, not a chain).
+                dots = (None, "float16") if kv_dtype.itemsize == 1 and dtype == jnp.bfloat16 else (None,)
                 ours = [
-                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages)
+                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages,
+                         dot_dtype=dot)
                     for ppb in sorted({max(1, n // page_size) for n in keys})
                     for splits in (None, 1)
                     for warps in (4, 8)
                     for stages in args.num_stages
+                    for dot in dots
                 ]
                 measure("ours", paged_decode_attention_gpu, ours)
                 if not args.skip_jax and kv_dtype == dtype:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,7 @@ def _decode_triton(
     num_warps: int,
     num_stages: int,
     interpret: bool,
+    dot_dtype: Any = None,
 ) -> jax.Array:
     batch, q_heads, head_dim = q.shape
     num_layers, kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -192,6 +194,8 @@ def _decode_triton(
 
     qg = q.reshape(batch, kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    if dot_dtype is not None:  # the kernel widens keys and values to q's dtype, and dots in it
+        qg = qg.astype(dot_dtype)
     scalars = jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer])
 
     kernel = functools.partial(
@@ -199,7 +203,7 @@ def _decode_triton(
         scale=scale,
         softcap=softcap,
         pages_per_block=pages_per_block,
-        precision=dot_precision(q.dtype),
+        precision=dot_precision(qg.dtype),
     )
     # Every layer of kv head h: the layer is picked inside the kernel (no scalar prefetch in Triton).
     page_block = (num_layers, None, num_pages, page_size, head_dim)
@@ -276,12 +280,18 @@ def paged_decode_attention_gpu(
     num_stages: int = 2,
     interpret: bool | None = None,
     lowering: str = DEFAULT_LOWERING,
+    dot_dtype: Any = None,
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """Decode attention as a Pallas GPU kernel; same semantics as `paged_decode_attention_reference`.
 
     `pages_per_block`, `num_splits`, `num_warps`, `num_stages` are static tuning knobs (defaults:
     ~64 keys per block, enough splits for ~264 programs); `interpret` defaults to True off-GPU.
     With `layer`, k_pages/v_pages are the stacked cache and only that layer's pages are read.
+
+    `dot_dtype` (for 8-bit caches; default q's dtype): the dtype keys, values and q are widened to
+    for the dots (float32 accumulation either way; the output keeps q's dtype). Triton widens e4m3
+    to float16 with one instruction per two values on Hopper, and to bfloat16 through float16, so
+    "float16" is the candidate `benchmarks/kernels.py` measures against the default.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
@@ -301,4 +311,5 @@ def paged_decode_attention_gpu(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=default_interpret() if interpret is None else interpret,
+        dot_dtype=dot_dtype,
     )

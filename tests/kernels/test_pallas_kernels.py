@@ -145,6 +145,15 @@ def test_kernels_read_an_8bit_cache(backend, cache_dtype, q_dtype):
     check_ragged(backend, batch, scale=32**-0.5, windows=(5,))
 
 
+def test_gpu_decode_kernel_dots_an_8bit_cache_in_float16():
+    """dot_dtype="float16" (a tuning candidate for 8-bit caches: benchmarks/kernels.py): keys,
+    values and bfloat16 queries widened to float16 for the dots give the reference's result at
+    bfloat16's tolerance, in q's dtype, with nothing leaking from unwritten slots or other layers."""
+    q, cache = decode_case(31, group=4, dtype="bfloat16", head_dim=32)
+    check_decode("pallas_gpu", q, with_cache_dtype(cache, "fp8_e4m3"), scale=32**-0.5, softcap=2.0,
+                 windows=(0, 6), dot_dtype="float16")
+
+
 def test_tpu_interpret_mode_raises_on_out_of_bounds_page_or_layer():
     """The TPU kernel's DMAs are bounds-checked in interpret mode: a bad page id or a bad (traced,
     so unvalidated) layer index cannot go unnoticed."""
@@ -199,11 +208,15 @@ def test_gpu_kernels_lower_to_triton_for_h100():
     from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
 
     decode_args, ragged_args = production_shape_args()
+    # The decode kernel over an 8-bit cache too, widened to float16 for its dots (dot_dtype).
+    fp8 = [decode_args[0], *(jax.ShapeDtypeStruct(a.shape, jnp.float8_e4m3fn) for a in decode_args[1:3]),
+           *decode_args[3:]]
     original = pallas_call_registration.gpu_info_lib.get_gpu_info
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     try:
-        for fn, args in ((paged_decode_attention_gpu, decode_args), (ragged_paged_attention_gpu, ragged_args)):
-            f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, interpret=False))
+        for fn, args, kw in ((paged_decode_attention_gpu, decode_args, {}), (ragged_paged_attention_gpu, ragged_args, {}),
+                             (paged_decode_attention_gpu, fp8, {"dot_dtype": "float16"})):
+            f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, interpret=False, **kw))
             with warnings.catch_warnings():  # the Triton lowering's deprecation notice
                 warnings.simplefilter("ignore")
                 text = f.trace(*args, **TRACED).lower(lowering_platforms=("cuda",)).as_text()
