@@ -264,18 +264,10 @@ class Scheduler:
             return None
         ahead = last.num_steps
         rows = [s for s in live if s.num_tokens + ahead < s.max_total_tokens]
-        if not rows:
+        num_steps = self._reserve_iterations(rows, ahead, least=1) if rows else 0
+        if not num_steps:
             return None
-        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens - ahead for s in rows))
-        for k in range(steps, 0, -1):
-            want = {s: self.allocator.pages_for(min(s.num_tokens + ahead + k - 1, s.max_total_tokens)) - len(s.pages)
-                    for s in rows}
-            if self.allocator.can_allocate(sum(want.values())):
-                for seq, num_new in want.items():
-                    if num_new > 0:
-                        seq.pages.extend(self.allocator.allocate(num_new))
-                return self._diff(SchedulerOutput(decodes=rows, num_steps=k, ahead=ahead))
-        return None
+        return self._diff(SchedulerOutput(decodes=rows, num_steps=num_steps, ahead=ahead))
 
     def _diff(self, plan: SchedulerOutput) -> SchedulerOutput:
         """`plan` with what changed on the host since the last output (freed slots, cut page
@@ -297,20 +289,25 @@ class Scheduler:
         loopers = [s for s in decodes if s.beam is None]
         if not loopers or not all(s.runs_unattended for s in loopers):
             return 1
-        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens for s in loopers))
-        if steps <= 1:
-            return 1
-        # Under a nearly full cache the pages for all `steps` may not be free while those for fewer
-        # are: the most iterations whose pages fit, rather than one at once.
-        for k in range(steps, 1, -1):
-            want = {s: self.allocator.pages_for(min(s.num_tokens + k - 1, s.max_total_tokens)) - len(s.pages)
-                    for s in loopers}
+        # (One iteration's pages are reserved already, by `_reserve`, preempting if need be.)
+        return self._reserve_iterations(loopers, 0, least=2) or 1
+
+    def _reserve_iterations(self, rows: list[Sequence], ahead: int, least: int) -> int:
+        """The most decode iterations, up to decode_steps and at least `least`, that `rows` (each
+        `ahead` tokens past its token_ids) can run with their pages reserved now without
+        preempting anyone; reserves them. 0 if not even `least` fit. Under a nearly full cache
+        the pages for all of them may not be free while those for fewer are: the most that fit,
+        rather than one at once."""
+        steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens - ahead for s in rows))
+        for k in range(steps, least - 1, -1):
+            want = {s: self.allocator.pages_for(min(s.num_tokens + ahead + k - 1, s.max_total_tokens)) - len(s.pages)
+                    for s in rows}
             if self.allocator.can_allocate(sum(want.values())):
                 for seq, num_new in want.items():
                     if num_new > 0:
                         seq.pages.extend(self.allocator.allocate(num_new))
                 return k
-        return 1
+        return 0
 
     def _drafts(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
         """Each speculating row's draft tokens, cut to what its length allows and to the pages that
