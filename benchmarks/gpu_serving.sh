@@ -56,10 +56,12 @@ if ((wave > 0)); then
     --result-json "$out/c256.json" 2>&1 | tee "$out/c256.log" | grep -v '^{'
 fi
 # The server's counters after the runs: preemptions (recomputed sequences) say whether the cache
-# held every running sequence (the wave of 256 x 2048 tokens needs 524k tokens of KV).
+# held every running sequence (the wave of 256 x 2048 tokens needs 524k tokens of KV), and the
+# dispatch thread's step calls: the seconds inside them and the host's hand-over seconds between
+# back-to-back ones (with SWEEP=1 WAVE=0, per output token: where concurrency 1's TPOT goes).
 "$py" -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
   "http://127.0.0.1:$port/metrics" 2>&1 | grep -v '^#' >"$out/metrics.txt"
-grep -E "preempt|kv_cache|num_pages" "$out/metrics.txt"
+grep -E "preempt|kv_cache|num_pages|step_|generation_tokens" "$out/metrics.txt"
 kill -INT $server; wait $server; trap - EXIT
 tar -C "$out" -czf "$out/gpu_serving.tgz" server.log sweep.json sweep.log c256.json c256.log metrics.txt plots 2>/dev/null
 ls -la "$out"

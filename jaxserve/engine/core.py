@@ -80,19 +80,45 @@ class _InFlight:
 class _Dispatcher:
     """Runs the runner's `execute` on one thread, in the order asked: steps, and the runner's
     device state (cache, batch), are only ever touched from there. With `threaded` False the call
-    runs here and now (an engine that does not overlap steps gains nothing from a thread)."""
+    runs here and now (an engine that does not overlap steps gains nothing from a thread).
+
+    It times its calls, for /metrics and for finding where a step's time goes: `call_seconds`
+    inside `execute` (on a GPU a decode loop's call returns when the loop has run, so there it is
+    the device's time; other calls return once queued), and `handover_seconds` from a call's
+    return to the start of the next one when that one was already waiting: the host's time
+    between two back-to-back steps, in which the device may sit idle."""
 
     def __init__(self, runner: Runner, threaded: bool):
         self.runner = runner
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-dispatch")
                       if threaded else None)
+        self.calls = 0
+        self.call_seconds = 0.0
+        self.handover_seconds = 0.0
+        # Each counter has one writer (the engine thread submits, the dispatch thread finishes), so
+        # "was the next call already asked for" needs no lock.
+        self._submitted = 0
+        self._handover_from: float | None = None
 
     def execute(self, step: StepCommands) -> concurrent.futures.Future:
+        self._submitted += 1
         if self._pool is not None:
-            return self._pool.submit(self.runner.execute, step)
+            return self._pool.submit(self._run, step)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(self.runner.execute(step))
+        done.set_result(self._run(step))
         return done
+
+    def _run(self, step: StepCommands) -> Any:
+        start = time.perf_counter()
+        if self._handover_from is not None:
+            self.handover_seconds += start - self._handover_from
+        try:
+            return self.runner.execute(step)
+        finally:
+            end = time.perf_counter()
+            self.calls += 1
+            self.call_seconds += end - start
+            self._handover_from = end if self._pool is not None and self._submitted > self.calls else None
 
     def close(self) -> None:
         """Wait for every call asked for to end, then stop the thread."""
@@ -449,6 +475,8 @@ class Engine:
             prefix_cache_hit_rate=alloc.prefix_cache_hit_rate, num_preemptions=self.num_preemptions,
             num_steps=self.num_steps, request_ids=frozenset(self.requests),
             num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            step_calls=self._dispatcher.calls, step_call_seconds=self._dispatcher.call_seconds,
+            step_handover_seconds=self._dispatcher.handover_seconds,
         )
 
     def close(self) -> None:

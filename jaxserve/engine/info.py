@@ -48,6 +48,11 @@ class Stats:
     num_steps: int = 0  # device steps run so far
     num_draft_tokens: int = 0  # speculative tokens proposed so far (all requests)
     num_accepted_draft_tokens: int = 0  # of which the verify steps accepted
+    # The dispatch thread's step calls (jaxserve.engine.core._Dispatcher): how many, the seconds
+    # inside them, and the seconds from one's return to the start of the next already waiting.
+    step_calls: int = 0
+    step_call_seconds: float = 0.0
+    step_handover_seconds: float = 0.0
     request_ids: frozenset[str] = frozenset()  # requests in the engine
 
     @property

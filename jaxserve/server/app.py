@@ -94,6 +94,12 @@ def _metrics(model_name: str, async_engine: AsyncEngine) -> Metrics:
               lambda: stats().num_draft_tokens)
     m.counter("spec_decode_num_accepted_tokens_total", "Speculative tokens accepted by verification.",
               lambda: stats().num_accepted_draft_tokens)
+    m.counter("step_calls_total", "Step calls into the compiled programs.", lambda: stats().step_calls)
+    m.counter("step_call_seconds_total", "Seconds spent inside step calls (on a GPU a decode loop's call "
+              "returns when the loop has run; other calls return once queued).", lambda: stats().step_call_seconds)
+    m.counter("step_handover_seconds_total", "Seconds from a step call's return to the start of the next "
+              "one, when that one was already waiting (host time between back-to-back steps).",
+              lambda: stats().step_handover_seconds)
     return m
 
 

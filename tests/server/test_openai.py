@@ -150,6 +150,10 @@ def test_metrics_move(server, client):
     assert after[ttft] == before[ttft] + 1
     assert after["jaxserve:e2e_request_latency_seconds_count"] > 0
     assert "jaxserve:num_requests_running" in after and "jaxserve:kv_cache_usage_perc" in after
+    # A prefill and at least one decode call, each timed by the dispatcher.
+    assert after["jaxserve:step_calls_total"] - before["jaxserve:step_calls_total"] >= 2
+    assert after["jaxserve:step_call_seconds_total"] > before["jaxserve:step_call_seconds_total"]
+    assert after["jaxserve:step_handover_seconds_total"] >= before["jaxserve:step_handover_seconds_total"]
 
 
 def test_vllm_sampling_extras(client, smollm2_tokenizer):
