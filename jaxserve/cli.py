@@ -373,7 +373,7 @@ def _check_tensor_parallel_size(size: int) -> None:
 def _buckets(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """--decode-buckets and --prefill-buckets as the scheduler takes them (None: the default grid),
     checked as the engine's bucket table checks them, with the flags' names in the message."""
-    from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.buckets import BucketTable, in_flag_words
 
     lists = []
     for flag in ("decode_buckets", "prefill_buckets"):
@@ -386,10 +386,7 @@ def _buckets(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[in
     try:
         BucketTable(sched)
     except ValueError as e:
-        message = str(e)
-        for name in ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens"):
-            message = message.replace(name, "--" + name.replace("_", "-"))
-        raise ConfigError(message) from None
+        raise ConfigError(in_flag_words(e)) from None
     return sched.decode_buckets, sched.prefill_buckets
 
 

@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
               "pins)", file=sys.stderr)
         return 2
     from jaxserve.config import SchedulerConfig
-    from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.buckets import BucketTable, in_flag_words
     from jaxserve.models.config import decoder_config_from_hf
 
     try:  # the grid first: a mistyped bucket list should not wait for the topology
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                                 decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets)
         BucketTable(sched)
     except ValueError as e:
-        print(f"jaxserve.plan: {e}", file=sys.stderr)
+        print(f"jaxserve.plan: {in_flag_words(e)}", file=sys.stderr)
         return 2
     config_json = Path(args.model) / "config.json"
     try:

@@ -42,6 +42,15 @@ def _validate(name: str, buckets: tuple[int, ...], maximum: int, max_name: str) 
     return tuple(buckets)
 
 
+def in_flag_words(error: ValueError) -> str:
+    """A bucket table's complaint in a command line's words: `--decode-buckets`, not `decode_buckets`
+    (the server's and the planner's flags have the same names)."""
+    message = str(error)
+    for name in ("decode_buckets", "prefill_buckets", "max_num_seqs", "max_num_batched_tokens"):
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message
+
+
 class BucketTable:
     """Decode batch-size buckets and prefill token-count buckets for one SchedulerConfig."""
 

@@ -143,7 +143,8 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     # A bucket list the server would refuse is refused before anything compiles.
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--max-num-seqs", "8",
                              "--decode-buckets", "2", "4"])
-    assert code == 2 and "the largest of decode_buckets (2, 4) must equal max_num_seqs=8" in capsys.readouterr().err
+    # In the flags' words, as the server's own command line says it (test_cli).
+    assert code == 2 and "the largest of --decode-buckets (2, 4) must equal --max-num-seqs=8" in capsys.readouterr().err
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="v5e at TP 4 reads ~1 GB per chip more than the floor at 2-8 rows, though "
