@@ -10,10 +10,12 @@ Per compiled step (per chip):
   - weights, cache, device batch and scratch fit the chip's HBM at the configured page count;
   - a decode step's model reads (its bytes less the sampler's, which are reported apart) are at
     most 1/0.9 of what it must read anyway: every weight once plus the KV pages its rows can see
-    (jaxserve.plan counts the bytes with VMEM prefetching off; see there). Nor are they much less:
+    (jaxserve.plan counts HBM bytes: VMEM prefetching off, and the VMEM side of what the compiler
+    still stages there taken out; see there). Nor are they less than 1/1.2 of it:
     XLA:TPU reads a slice of a stacked weight in place, so a restored layer scan would copy
     nothing, but the cost analysis counts a loop's body once, and a scan over 32 layers would show
-    as ~1/32 of the weights read.
+    as ~1/32 of the weights read; and bytes the VMEM correction took out that were HBM traffic
+    would show too (every step measured 0.98-1.05 of its floor on 2026-11-26).
 
 Compile time on two CPU cores is 5-40 s per step of a 32-layer model, so CI compiles the smallest
 and largest decode buckets of every configuration, the largest prefill bucket on one chip, and the
@@ -114,7 +116,7 @@ def test_decode_reads_little_more_than_its_floor(plans, config):
     assert decodes
     for s in decodes:
         assert 0 < s.sampler_bytes < s.bytes_accessed
-        assert 0.9 <= floor_ratio(s) <= 1.5, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
+        assert 0.9 <= floor_ratio(s) <= 1.2, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
 
 
 def test_the_whole_grid_compiles(plans):
@@ -147,9 +149,10 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     assert code == 2 and "the largest of --decode-buckets (2, 4) must equal --max-num-seqs=8" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="v5e at TP 4 reads ~1 GB per chip more than the floor at 2-8 rows, though "
-                   "not at 1 or 64 (benchmarks/RESULTS.md, 2026-11-24): not explained yet. Strict, so the fix shows.")
 def test_v5e_tp4_small_batches_read_their_floor(tpu_chip):
+    """At TP 4 with 2-8 rows XLA:TPU copies the q/k/v/o weight shards into VMEM, transposed, for
+    the small-batch dots. The cost analysis counted the VMEM write and the dot's VMEM read of each
+    copy as bytes accessed, ~1 GB per chip over the floor; HBM sees each weight once."""
     from jaxserve.plan import floor_ratio, plan
 
     tpu_chip("v5e:2x2")
@@ -209,3 +212,38 @@ def test_an_8bit_kv_cache_halves_the_page_and_the_kv_read(tpu_chip):
     model = lambda s: s.bytes_accessed - s.sampler_bytes  # noqa: E731
     assert model(s16) - model(s8) == pytest.approx(kv_read / 2, rel=0.05)
     assert s8.argument_bytes < s16.argument_bytes - 0.45 * rows * pages_per_row * bf16.kv_page_bytes
+
+
+def test_vmem_accesses_are_not_counted_as_hbm_traffic():
+    """An optimized TPU module's text: a weight copied into VMEM (S(1)) and read there by a fusion.
+    The copy's write and the fusion's read are VMEM accesses; the copy's read of the weight, the
+    output's write, and a plain HBM copy are not."""
+    from jaxserve.plan import vmem_access_bytes
+
+    hlo = """HloModule step
+
+%fused_computation (p0: bf16[1024,4096], p1: bf16[2,4096]) -> bf16[2,1024] {
+  %p0 = bf16[1024,4096]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %copy.9 = bf16[1024,4096]{1,0:T(8,128)(2,1)S(1)} copy(%p0)
+}
+
+ENTRY %main (param.1: bf16[4096,1024], param.2: bf16[2,4096]) -> (bf16[2,1024], bf16[4096,1024]) {
+  %param.1 = bf16[4096,1024]{1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="w"}
+  %param.2 = bf16[2,4096]{1,0:T(2,128)(2,1)} parameter(1)
+  %bitcast.1 = bf16[1024,4096]{0,1:T(8,128)(2,1)} bitcast(%param.1)
+  %copy.1 = bf16[1024,4096]{1,0:T(8,128)(2,1)S(1)} copy(%bitcast.1), metadata={op_name="a/dot_general(x)"}
+  %fusion.1 = bf16[2,1024]{1,0:T(2,128)(2,1)} fusion(%copy.1, %param.2), kind=kOutput, calls=%fused_computation
+  %copy.2 = bf16[4096,1024]{1,0:T(8,128)(2,1)} copy(%param.1)
+  %start = (bf16[2,4096]{1,0:T(2,128)(2,1)}, bf16[2,4096]{1,0:T(2,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%param.2)
+  %many = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[8]{0:S(1)}) fusion(%param.2), kind=kLoop, calls=%fused_computation
+  %loop = (f32[8]{0:S(1)}) while(%many), condition=%fused_computation, body=%fused_computation
+  ROOT %tuple.1 = (bf16[2,1024]{1,0:T(2,128)(2,1)}, bf16[4096,1024]{1,0:T(8,128)(2,1)}) tuple(%fusion.1, %copy.2)
+}
+"""
+    weight, row = 1024 * 4096 * 2, 2 * 4096 * 2
+    # copy.1's write + fusion.1's read of it; the prefetch's VMEM half (not its HBM source nor
+    # its S(2) flag); the multi-output fusion's VMEM output (past a tuple's index comment); not
+    # the loop's operand (XLA counts a loop's body, not its operands), nor anything inside a
+    # called computation (not top level).
+    assert vmem_access_bytes(hlo) == 2 * weight + row + 8 * 4
+    assert vmem_access_bytes("HloModule empty") == 0
