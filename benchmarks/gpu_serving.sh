@@ -62,6 +62,7 @@ fi
 "$py" -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())" \
   "http://127.0.0.1:$port/metrics" 2>&1 | grep -v '^#' >"$out/metrics.txt"
 grep -E "preempt|kv_cache|num_pages|step_|generation_tokens" "$out/metrics.txt"
+"$py" -m benchmarks.step_timings "$out/metrics.txt"
 kill -INT $server; wait $server; trap - EXIT
 tar -C "$out" -czf "$out/gpu_serving.tgz" server.log sweep.json sweep.log c256.json c256.log metrics.txt plots 2>/dev/null
 ls -la "$out"
