@@ -20,9 +20,9 @@ Bytes per step: XLA's cost analysis counts a buffer that memory-space assignment
 VMEM three times (the HBM read, the VMEM write, the consumer's VMEM read), so the decode steps'
 byte figures come from a second compile with prefetching off (BYTES_OPTIONS); the program read is
 the same, the prefetch only moves it earlier. Even then XLA:TPU stages some buffers in VMEM on its
-own: the sampler's logits, and on v5e at TP 4 with 2-8 rows the q/k/v/o weight shards, copied there
-transposed for the small-batch dots (~0.4 GB of copies per chip, which put the counted bytes 1 GB
-over the floor). The VMEM side of those accesses is not HBM traffic, so it is taken out
+own: much of the sampler's work, and on v5e at TP 4 with 2-8 rows the q, k and v weight shards,
+copied there transposed for the small-batch dots (~0.4 GB of copies per chip, which put the
+counted bytes 1 GB over the floor). The VMEM side of those accesses is not HBM traffic, so it is taken out
 (`vmem_access_bytes`): what is left is what the floor bounds.
 """
 
@@ -304,9 +304,15 @@ _HLO_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5
 _HLO_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]\{([^}]*)\}")
 # name = shape opcode(operands), attributes; a tuple's shape may hold "/*index=5*/" comments.
 _HLO_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)")
-# Instructions whose operands and result XLA's cost analysis does not count as accesses: those that
-# move nothing, and control flow, whose cost is its computations' (a loop's body counted once).
-_NO_ACCESS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call"}
+# Instructions whose VMEM accesses are left counted. XLA's cost analysis counts none for some (they
+# move nothing; control flow is costed by its computations, a loop's body once), counts only a
+# part for others (a slice reads what it keeps, an update-slice writes its update), and takes a
+# custom call's or an async start's cost from elsewhere; taking out their whole operands and
+# results could take out traffic it never counted, so they are not visited, and the HBM figure errs
+# high if anything.
+_NOT_VISITED = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+                "after-all", "add-dependency", "domain", "slice", "dynamic-slice", "gather", "dynamic-update-slice",
+                "scatter", "custom-call", "async-start", "async-update", "async-done"}
 
 
 def _vmem_bytes(shape: str) -> int:
@@ -322,10 +328,11 @@ def vmem_access_bytes(hlo: str) -> int:
     """Bytes that the entry computation's instructions write to or read from VMEM (memory space 1,
     `S(1)` in a layout), in an optimized TPU module's text. XLA's cost analysis counts these as
     bytes accessed like any other: a weight copied into VMEM for a dot counts three times (the HBM
-    read, the VMEM write, the dot's VMEM read), though HBM sees it once. Instructions inside loops
-    and branches are not visited, so what they read or write in VMEM stays counted; a fusion's VMEM
-    operand is taken out whole, even where the fusion reads a slice of it (tests/tpu_aot bounds
-    the result from both sides against the step's floor)."""
+    read, the VMEM write, the dot's VMEM read), though HBM sees it once. Only instructions whose
+    whole operands and result XLA counts are visited (copies, fusions, elementwise and collective
+    ops; see `_NOT_VISITED`), and not those inside loops and branches, so what is left counted errs
+    high, but for one case: a fusion that reads only a slice of a VMEM operand, which is taken out
+    whole (tests/tpu_aot bounds the result from both sides against the step's floor)."""
     start = hlo.find("\nENTRY ")
     if start < 0:
         return 0
@@ -338,7 +345,7 @@ def vmem_access_bytes(hlo: str) -> int:
             continue
         name, shape, opcode, rest = m.groups()
         shapes[name] = shape
-        if opcode in _NO_ACCESS:
+        if opcode in _NOT_VISITED:
             continue
         depth, cut = 1, len(rest)  # the operand list ends at the paren that closes the call
         for i, ch in enumerate(rest):

@@ -260,10 +260,12 @@ def test_overlapped_steps_and_the_decode_loop_give_the_same_outputs(engine, mode
         # Once nothing waits, decode steps are dispatched before the tokens of the step they follow
         # are read (Scheduler.schedule_ahead), and rows ended there (EOS, stop id) are dropped.
         assert (eng.num_steps_ahead > 0) == (name != "serial"), (name, eng.num_steps_ahead)
-        # Every step was one timed call; only a threaded dispatcher hands over to a call already
-        # waiting, and the steps dispatched ahead were waiting when the one before returned.
+        # Every step was one timed call (the last one dispatched ahead may still be running when
+        # the engine goes idle, and is counted when it returns); only a threaded dispatcher hands
+        # over to a call already waiting, and the steps dispatched ahead were waiting when the one
+        # before returned.
         stats = eng.stats
-        assert stats.step_calls == eng.num_steps and stats.step_call_seconds > 0
+        assert eng.num_steps - 1 <= stats.step_calls <= eng.num_steps and stats.step_call_seconds > 0
         assert (stats.step_handover_seconds > 0) == (name != "serial"), (name, stats)
     assert outputs[0] == outputs[1] == outputs[2]
     for run in logprobs[1:]:

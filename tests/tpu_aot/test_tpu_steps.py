@@ -11,7 +11,7 @@ Per compiled step (per chip):
   - a decode step's model reads (its bytes less the sampler's, which are reported apart) are at
     most 1/0.9 of what it must read anyway: every weight once plus the KV pages its rows can see
     (jaxserve.plan counts HBM bytes: VMEM prefetching off, and the VMEM side of what the compiler
-    still stages there taken out; see there). Nor are they less than 1/1.2 of it:
+    still stages there taken out; see there). Nor are they less than 1/1.1 of it:
     XLA:TPU reads a slice of a stacked weight in place, so a restored layer scan would copy
     nothing, but the cost analysis counts a loop's body once, and a scan over 32 layers would show
     as ~1/32 of the weights read; and bytes the VMEM correction took out that were HBM traffic
@@ -116,7 +116,7 @@ def test_decode_reads_little_more_than_its_floor(plans, config):
     assert decodes
     for s in decodes:
         assert 0 < s.sampler_bytes < s.bytes_accessed
-        assert 0.9 <= floor_ratio(s) <= 1.2, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
+        assert 0.9 <= floor_ratio(s) <= 1.1, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
 
 
 def test_the_whole_grid_compiles(plans):
@@ -150,9 +150,10 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
 
 
 def test_v5e_tp4_small_batches_read_their_floor(tpu_chip):
-    """At TP 4 with 2-8 rows XLA:TPU copies the q/k/v/o weight shards into VMEM, transposed, for
+    """At TP 4 with 2-8 rows XLA:TPU copies the q, k and v weight shards into VMEM, transposed, for
     the small-batch dots. The cost analysis counted the VMEM write and the dot's VMEM read of each
-    copy as bytes accessed, ~1 GB per chip over the floor; HBM sees each weight once."""
+    copy as bytes accessed, ~1 GB per chip over the floor; HBM sees each weight once. Bounded from
+    both sides: the correction must not take out real traffic either."""
     from jaxserve.plan import floor_ratio, plan
 
     tpu_chip("v5e:2x2")
@@ -161,7 +162,7 @@ def test_v5e_tp4_small_batches_read_their_floor(tpu_chip):
              serving_compile=False, decode_buckets=(4,), kinds=("decode",))
     assert p.error is None, p.error
     (step,) = p.steps
-    assert 0.9 <= floor_ratio(step), (step.floor_bytes, step.bytes_accessed, step.sampler_bytes)
+    assert 0.95 <= floor_ratio(step) <= 1.05, (step.floor_bytes, step.bytes_accessed, step.sampler_bytes)
 
 
 def test_int8_weights_halve_the_decode_read(tpu_chip):
@@ -184,7 +185,7 @@ def test_int8_weights_halve_the_decode_read(tpu_chip):
     model = lambda s: s.bytes_accessed - s.sampler_bytes  # noqa: E731
     assert 0.45 <= model(int8) / model(bf16) <= 0.56, (model(int8), model(bf16))
     assert 0.45 <= weights["int8"] / weights["none"] <= 0.55
-    assert 0.9 <= floor_ratio(int8) <= 1.5, (int8.floor_bytes, int8.bytes_accessed, int8.sampler_bytes)
+    assert 0.9 <= floor_ratio(int8) <= 1.2, (int8.floor_bytes, int8.bytes_accessed, int8.sampler_bytes)
     assert int8.temp_bytes < bf16.temp_bytes + (64 << 20), (int8.temp_bytes, bf16.temp_bytes)
 
 
@@ -237,14 +238,15 @@ ENTRY %main (param.1: bf16[4096,1024], param.2: bf16[2,4096]) -> (bf16[2,1024], 
   %start = (bf16[2,4096]{1,0:T(2,128)(2,1)}, bf16[2,4096]{1,0:T(2,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%param.2)
   %many = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[8]{0:S(1)}) fusion(%param.2), kind=kLoop, calls=%fused_computation
   %loop = (f32[8]{0:S(1)}) while(%many), condition=%fused_computation, body=%fused_computation
+  %slice.1 = bf16[2,4096]{1,0:T(2,128)(2,1)S(1)} slice(%copy.1), slice={[0:2], [0:4096]}
   ROOT %tuple.1 = (bf16[2,1024]{1,0:T(2,128)(2,1)}, bf16[4096,1024]{1,0:T(8,128)(2,1)}) tuple(%fusion.1, %copy.2)
 }
 """
     weight, row = 1024 * 4096 * 2, 2 * 4096 * 2
     # copy.1's write + fusion.1's read of it; the prefetch's VMEM half (not its HBM source nor
     # its S(2) flag); the multi-output fusion's VMEM output (past a tuple's index comment); not
-    # the loop's operand (XLA counts a loop's body, not its operands), nor anything inside a
-    # called computation (not top level).
+    # the loop's operand (XLA counts a loop's body, not its operands), nor the slice (XLA counts
+    # only the part it reads), nor anything inside a called computation (not top level).
     assert vmem_access_bytes(hlo) == 2 * weight + row + 8 * 4
     assert vmem_access_bytes("HloModule empty") == 0
 
