@@ -409,3 +409,28 @@ def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
         if case in KNOWN_SPILLS:
             pytest.xfail(f"{case} spills registers with {call.num_warps} warps: {usage}")
         pytest.fail(f"{case} spills registers ({usage['STACK']} bytes of stack): {usage}")
+
+
+def test_float16_dots_take_the_bfloat16_widening_out_of_the_fp8_kernel(triton_for_sm90, tmp_path):
+    """`dot_dtype=float16` (the candidate for 8-bit caches, benchmarks/RESULTS.md): on sm_90 Triton
+    widens e4m3 to float16 two values per instruction (`cvt.rn.f16x2.e4m3x2`); the default bfloat16
+    dots then convert every value once more (`cvt.bf16.f16`, an F2F in SASS), and float16 dots
+    need none of those."""
+    from triton.backends.compiler import GPUTarget
+
+    triton = triton_for_sm90
+    model = MODELS["llama3-8b"]
+    ptx = {}
+    for name, options in (("bfloat16", {}), ("float16", {"dot_dtype": jnp.float16})):
+        args = twice_the_pages(decode_args(model, 16, 64, jnp.float8_e4m3fn))
+        [call] = triton_calls(lower_for_cuda(decode_fn(model, **options), *args))
+        path = tmp_path / f"{call.name}-{name}.ttir"
+        path.write_text(call.ttir)
+        compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=call.num_warps, num_stages=call.num_stages))
+        ptx[name] = compiled.asm["ptx"]
+    widen = lambda text: len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", text))  # noqa: E731
+    to_bf16 = lambda text: len(re.findall(r"cvt\.bf16\.f16", text))  # noqa: E731
+    assert widen(ptx["bfloat16"]) == widen(ptx["float16"]) > 0
+    assert to_bf16(ptx["bfloat16"]) == 2 * widen(ptx["bfloat16"])  # one per value
+    assert to_bf16(ptx["float16"]) == 0
