@@ -290,12 +290,16 @@ def _report(key: tuple, compiled: Any, counted: Any, seconds: float, p: Plan, re
                       int(ma.alias_size_in_bytes), accessed, 0.0, floor, tokens_per_s)
 
 
-def hbm_bytes_accessed(compiled: Any) -> float:
-    """A byte-counting compile's HBM bytes: the cost analysis' bytes accessed, less the VMEM side of
-    the accesses its top-level instructions make (`vmem_access_bytes`)."""
+def bytes_accessed(compiled: Any) -> float:
+    """The cost analysis' bytes accessed of a compiled program, whatever the memory space."""
     cost = compiled.cost_analysis()
-    accessed = float((cost[0] if isinstance(cost, list) else cost).get("bytes accessed", 0.0))
-    return accessed - vmem_access_bytes(compiled.as_text())
+    return float((cost[0] if isinstance(cost, list) else cost).get("bytes accessed", 0.0))
+
+
+def hbm_bytes_accessed(compiled: Any) -> float:
+    """A byte-counting compile's HBM bytes: its bytes accessed, less the VMEM side of the accesses
+    its top-level instructions make (`vmem_access_bytes`)."""
+    return bytes_accessed(compiled) - vmem_access_bytes(compiled.as_text())
 
 
 # HLO element types -> bits (sub-byte types pack: s4 is half a byte).
@@ -319,7 +323,7 @@ def _vmem_bytes(shape: str) -> int:
     """Bytes of the arrays of an HLO shape (an array or a tuple's) that live in VMEM (memory space 1)."""
     total = 0
     for element, dims, layout in _HLO_ARRAY.findall(shape):
-        if re.search(r"S\(1\)", layout) and element in _HLO_BITS:
+        if "S(1)" in layout and element in _HLO_BITS:
             total += math.prod(int(d) for d in dims.split(",") if d) * _HLO_BITS[element] // 8
     return total
 

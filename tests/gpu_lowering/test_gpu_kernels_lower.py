@@ -383,22 +383,27 @@ def resource_usage(triton, cubin: bytes, tmp_path) -> dict[str, int] | None:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
-@pytest.mark.parametrize("case", list(COMPILE_CASES))
-def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
+def compile_for_sm90(triton, call: KernelCall, tmp_path, tag: str = "") -> Any:
+    """A kernel's Triton IR compiled for sm_90 by the triton package (skips on a version skew)."""
     from triton.backends.compiler import GPUTarget
 
-    triton = triton_for_sm90
-    f, args = COMPILE_CASES[case]()
-    [call] = triton_calls(lower_for_cuda(f, *args))
-    source = tmp_path / f"{call.name}.ttir"
+    source = tmp_path / f"{call.name}{tag}.ttir"
     source.write_text(call.ttir)
     try:
-        compiled = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=call.num_warps, num_stages=call.num_stages))
+        return triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=call.num_warps, num_stages=call.num_stages))
     except RuntimeError as e:
         if "Parse MLIR" in str(e):  # version skew between jaxlib's Triton dialect and the package
             pytest.skip(f"triton {triton.__version__} cannot parse jaxlib's Triton IR: {e}")
         raise
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
+    triton = triton_for_sm90
+    f, args = COMPILE_CASES[case]()
+    [call] = triton_calls(lower_for_cuda(f, *args))
+    compiled = compile_for_sm90(triton, call, tmp_path)
     shared = compiled.metadata.shared
     assert shared <= H100_MAX_SHARED_BYTES, f"{case}: {shared} bytes of shared memory"
     usage = resource_usage(triton, compiled.asm["cubin"], tmp_path)
@@ -416,19 +421,12 @@ def test_float16_dots_take_the_bfloat16_widening_out_of_the_fp8_kernel(triton_fo
     widens e4m3 to float16 two values per instruction (`cvt.rn.f16x2.e4m3x2`); the default bfloat16
     dots then convert every value once more (`cvt.bf16.f16`, an F2F in SASS), and float16 dots
     need none of those."""
-    from triton.backends.compiler import GPUTarget
-
-    triton = triton_for_sm90
     model = MODELS["llama3-8b"]
+    args = twice_the_pages(decode_args(model, 16, 64, jnp.float8_e4m3fn))
     ptx = {}
     for name, options in (("bfloat16", {}), ("float16", {"dot_dtype": jnp.float16})):
-        args = twice_the_pages(decode_args(model, 16, 64, jnp.float8_e4m3fn))
         [call] = triton_calls(lower_for_cuda(decode_fn(model, **options), *args))
-        path = tmp_path / f"{call.name}-{name}.ttir"
-        path.write_text(call.ttir)
-        compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=call.num_warps, num_stages=call.num_stages))
-        ptx[name] = compiled.asm["ptx"]
+        ptx[name] = compile_for_sm90(triton_for_sm90, call, tmp_path, f"-{name}").asm["ptx"]
     widen = lambda text: len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", text))  # noqa: E731
     to_bf16 = lambda text: len(re.findall(r"cvt\.bf16\.f16", text))  # noqa: E731
     assert widen(ptx["bfloat16"]) == widen(ptx["float16"]) > 0
