@@ -8,6 +8,10 @@ HOST      ?= 127.0.0.1
 PORT      ?= 8000
 ARGS      ?=
 PYTEST_ARGS ?=
+# Test workers: two by default, the CI machine's cores. Each file runs whole on one worker, so a
+# file's module fixtures are built once; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: serve test test-fast install clean
 
@@ -31,10 +35,10 @@ serve: $(VENV)/.stamp-base
 	$(PY) -m jaxserve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PAR) $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.stamp-test
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_PAR) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

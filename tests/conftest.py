@@ -7,6 +7,20 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import pytest  # noqa: E402
 
+# Files that take minutes, longest first. `make test` runs files whole on two workers, handed out
+# in collection order (--no-loadscope-reorder); started last, one of these would run alone at the
+# end while the other worker idles. Measured on the 2-core CI box (benchmarks/RESULTS.md).
+LONGEST_FILES = (
+    "tests/tpu_aot/test_tpu_steps.py",
+    "tests/parallel/test_tensor_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the LONGEST_FILES first (a stable sort: everything else keeps its order)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
