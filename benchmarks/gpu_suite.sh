@@ -6,7 +6,10 @@
 #
 # STEPs: correctness kernels step_profile serving (default: all, ~20 minutes), and on request
 # kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
-# fp8: it doubles the tokens that fit, so the concurrency-256 wave needs no preemption). The device tool runs
+# fp8: it doubles the tokens that fit, so the concurrency-256 wave needs no preemption), and graphs:
+# the batch-1 step without and with the decode loop and the sampler's conds kept on the device
+# (XLA command buffers; for the served figure, `XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
+# SWEEP=1 WAVE=0 bash benchmarks/gpu_suite.sh OUT serving_fp8`). The device tool runs
 # at most 10 minutes per command, so there: `... $OUT correctness kernels`, then `... $OUT
 # step_profile`, then `... $OUT serving` (same lease; each brings back its own summary).
 #
@@ -41,7 +44,9 @@ run() {  # run NAME SECONDS COMMAND...: its output to OUT/NAME.log, its tail to 
   local name=$1 seconds=$2
   shift 2
   if [[ -n "${DRY_RUN:-}" ]]; then
-    echo "[$name] timeout $seconds $*" | tee -a "$summary"
+    local words
+    printf -v words '%q ' "$@"  # quoted as a shell would need them (XLA_FLAGS with spaces)
+    echo "[$name] timeout $seconds ${words% }" | tee -a "$summary"
     return 0
   fi
   local start=$SECONDS
@@ -100,6 +105,24 @@ if wanted step_profile_fp8; then
   run step_profile_fp8_k8 270 "$py" -m benchmarks.step_profile --model "$model" --load-format dummy \
     --layouts sharded --decode-buckets 1 64 256 --prefill-bucket 2048 --context 1000 --num-pages 32800 \
     --kv-cache-dtype fp8 --decode-steps 8 --repeats 20 --engine-requests 1 64
+fi
+if wanted graphs; then
+  # XLA:GPU runs a while loop's condition, and every conditional's branch index, on the host: a
+  # device-to-host copy and a full stream sync each time. A greedy decode iteration has 5 (the
+  # loop's condition; the sampler's grammar, penalty, greedy-or-not and logprob conds; sampled rows
+  # add top-k and top-p), each idling the GPU until the host launches again. Command buffers
+  # (CUDA graphs) with WHILE and CONDITIONAL keep both on the device, and make the loop one graph.
+  # The batch-1 step with XLA's default command buffers and with those two added, GRAPH_ROUNDS
+  # times in turn (each run ~2-4 minutes); the persistent compile cache keys on XLA_FLAGS.
+  for ((round = 1; round <= ${GRAPH_ROUNDS:-1}; round++)); do
+    for mode in default graphs; do
+      flags=${XLA_FLAGS:-}
+      [[ $mode == graphs ]] && flags="${flags:+$flags }${GRAPH_FLAGS:---xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}"
+      run "graphs_${mode}_$round" 280 env XLA_FLAGS="$flags" "$py" -m benchmarks.step_profile --model "$model" \
+        --load-format dummy --layouts sharded --decode-buckets 1 64 --prefill-bucket 512 --context 1000 \
+        --num-pages 8000 --kv-cache-dtype fp8 --decode-steps 8 --repeats 20 --engine-requests 1
+    done
+  done
 fi
 if wanted serving; then
   SWEEP=${SWEEP:-1,16,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \

@@ -39,7 +39,7 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
 def test_every_flag_it_passes_exists(tmp_path):
     """Each python -m module's --help names every flag the suite gives it (a renamed flag would
     otherwise only show on the GPU, in a lease)."""
-    for line in _dry(tmp_path) + _dry(tmp_path, "kernels_fp8", "step_profile_fp8"):
+    for line in _dry(tmp_path) + _dry(tmp_path, "kernels_fp8", "step_profile_fp8", "graphs"):
         words = shlex.split(line.split("] ", 1)[1])
         if "-m" not in words or words[words.index("-m") + 1] == "pytest":
             continue
@@ -48,3 +48,25 @@ def test_every_flag_it_passes_exists(tmp_path):
                                    text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
         for flag in (w for w in words if re.fullmatch(r"--[A-Za-z][\w-]*", w)):
             assert flag in help_text, f"{module} has no {flag}"
+
+
+def _xla_flags_accepted(flags: str) -> bool:
+    """Whether this jaxlib's XLA takes `flags` (it parses every backend's flags, GPU ones too, when
+    the CPU backend starts, and exits on one it does not know or a value it cannot read)."""
+    done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags})
+    return done.returncode == 0
+
+
+def test_graphs_runs_the_step_without_and_with_device_side_loops(tmp_path):
+    """`graphs`: the same step profile with XLA's default command buffers, then with WHILE and
+    CONDITIONAL added, in turn; the flag is one XLA reads (a typo would only show on the GPU)."""
+    env_of = lambda line: shlex.split(line.split("] ", 1)[1])[3]  # noqa: E731  (timeout N env XLA_FLAGS=...)
+    lines = _dry(tmp_path, "graphs")
+    assert [line.split("]")[0][1:] for line in lines] == ["graphs_default_1", "graphs_graphs_1"]
+    assert env_of(lines[0]) == "XLA_FLAGS="
+    flag = env_of(lines[1]).removeprefix("XLA_FLAGS=")
+    assert flag == "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    assert lines[0].split("python", 1)[1] == lines[1].split("python", 1)[1]  # the same run otherwise
+    assert _xla_flags_accepted(flag)
+    assert not _xla_flags_accepted("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONALS")
