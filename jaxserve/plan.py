@@ -29,6 +29,7 @@ counted bytes 1 GB over the floor). The VMEM side of those accesses is not HBM t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -213,8 +214,10 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
         try:
             if num_pages is None:
                 # The server's sizing: the largest steps' scratch, measured against a tiny cache.
-                probe = [programs.lower(k, params, kv(max_pages_per_seq + 1), batch, builder.abstract(k)).compile()
-                         for k in largest_steps(keys, kinds)]
+                probe = _compile_each(
+                    largest_steps(keys, kinds),
+                    lambda k: programs.lower(k, params, kv(max_pages_per_seq + 1), batch, builder.abstract(k)),
+                    lambda _, lowered: lowered.compile(), "sizing the KV cache")
                 result.scratch_bytes = max(c.memory_analysis().temp_size_in_bytes for c in probe)
                 reserve = scratch_reserve(result.scratch_bytes)
                 free = hbm - result.weights_bytes - result.batch_bytes - reserve
@@ -224,15 +227,20 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                                      f"GiB and the steps {reserve / GiB:.2f} GiB of {hbm / GiB:.2f} GiB per chip")
             result.num_pages = num_pages
             cache = kv(num_pages)
-            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), chip)
-            for key in keys:
-                lowered = programs.lower(key, params, cache, batch, builder.abstract(key))
+
+            def compile_step(key: tuple, lowered: Any) -> tuple[Any, Any, float]:
                 start = time.perf_counter()
                 counted = None
                 if key[0] == "decode":
                     counted = lowered.compile(compiler_options=BYTES_OPTIONS)
                 compiled = lowered.compile() if serving_compile or counted is None else counted
-                seconds = time.perf_counter() - start
+                return compiled, counted, time.perf_counter() - start
+
+            compiled_steps = _compile_each(keys, lambda key: programs.lower(key, params, cache, batch,
+                                                                            builder.abstract(key)),
+                                           compile_step, f"compiling steps for {topology}")
+            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), chip)
+            for key, (compiled, counted, seconds) in zip(keys, compiled_steps):
                 report = _report(key, compiled, counted, seconds, result, read_weights, max_pages_per_seq)
                 if counted is not None:
                     report.sampler_bytes = sampler(report.seqs)
@@ -241,6 +249,30 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
         except Exception as e:  # the compiler's own words: out of HBM, a kernel it rejects, ...
             result.error = f"{type(e).__name__}: {e}"
     return result
+
+
+def _compile_each(keys: list[tuple], lower: Any, compile_one: Any, desc: str) -> list[Any]:
+    """compile_one(key, lower(key)) for every key, in order, as the server compiles its steps
+    (`ModelRunner.compile`): tracing and lowering hold the GIL, so they run here one after
+    another, while XLA compiles the programs already lowered on a pool of threads (it releases the
+    GIL), a few at a time. A progress bar on stderr counts the steps done; the first error is
+    raised and the compiles not yet started are dropped."""
+    from tqdm import tqdm
+
+    from jaxserve.engine.runner import COMPILE_THREADS
+
+    workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="plan-compile")
+    try:
+        with tqdm(total=len(keys), desc=desc, unit="step", disable=None) as bar:
+            futures = []
+            for key in keys:
+                future = pool.submit(compile_one, key, lower(key))
+                future.add_done_callback(lambda _: bar.update())
+                futures.append(future)
+            return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # (chip, vocab, rows, device batch shapes) -> the sampler's bytes. The sampler runs replicated, so

@@ -215,6 +215,35 @@ def test_an_8bit_kv_cache_halves_the_page_and_the_kv_read(tpu_chip):
     assert s8.argument_bytes < s16.argument_bytes - 0.45 * rows * pages_per_row * bf16.kv_page_bytes
 
 
+def test_steps_compile_on_a_pool_and_report_in_key_order():
+    """The plan lowers steps one by one and compiles them on threads, as the server does: the
+    results come back in the keys' order whatever order the compiles finish in, and a compiler
+    error is raised as the plan's error, not lost in a thread."""
+    import threading
+    import time
+
+    from jaxserve.plan import _compile_each
+
+    threads = set()
+
+    def compile_one(key: int, lowered: str) -> tuple[int, str]:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05 * (3 - key))  # the first key finishes last
+        return key, lowered
+
+    assert _compile_each([0, 1, 2], lambda k: f"lowered {k}", compile_one, "steps") == [
+        (0, "lowered 0"), (1, "lowered 1"), (2, "lowered 2")]
+    assert threads and all(name.startswith("plan-compile") for name in threads)
+
+    def out_of_memory(key: int, lowered: str) -> int:
+        if key == 1:
+            raise ValueError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return key
+
+    with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED"):
+        _compile_each([0, 1, 2], str, out_of_memory, "steps")
+
+
 def test_vmem_accesses_are_not_counted_as_hbm_traffic():
     """An optimized TPU module's text: a weight copied into VMEM (S(1)) and read there by a fusion.
     The copy's write and the fusion's read are VMEM accesses; the copy's read of the weight, the
