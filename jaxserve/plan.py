@@ -29,7 +29,6 @@ counted bytes 1 GB over the floor). The VMEM side of those accesses is not HBM t
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -166,6 +165,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.engine.build import largest_steps, scratch_reserve
+    from jaxserve.engine.runner import compile_each
     from jaxserve.engine.device_batch import abstract_batch
     from jaxserve.engine.kv_cache import KVCache, bytes_per_page, cache_dtype
     from jaxserve.engine.programs import StepPrograms
@@ -214,7 +214,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
         try:
             if num_pages is None:
                 # The server's sizing: the largest steps' scratch, measured against a tiny cache.
-                probe = _compile_each(
+                probe = compile_each(
                     largest_steps(keys, kinds),
                     lambda k: programs.lower(k, params, kv(max_pages_per_seq + 1), batch, builder.abstract(k)),
                     lambda _, lowered: lowered.compile(), "sizing the KV cache")
@@ -236,7 +236,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                 compiled = lowered.compile() if serving_compile or counted is None else counted
                 return compiled, counted, time.perf_counter() - start
 
-            compiled_steps = _compile_each(keys, lambda key: programs.lower(key, params, cache, batch,
+            compiled_steps = compile_each(keys, lambda key: programs.lower(key, params, cache, batch,
                                                                             builder.abstract(key)),
                                            compile_step, f"compiling steps for {topology}")
             sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), chip)
@@ -249,30 +249,6 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
         except Exception as e:  # the compiler's own words: out of HBM, a kernel it rejects, ...
             result.error = f"{type(e).__name__}: {e}"
     return result
-
-
-def _compile_each(keys: list[tuple], lower: Any, compile_one: Any, desc: str) -> list[Any]:
-    """compile_one(key, lower(key)) for every key, in order, as the server compiles its steps
-    (`ModelRunner.compile`): tracing and lowering hold the GIL, so they run here one after
-    another, while XLA compiles the programs already lowered on a pool of threads (it releases the
-    GIL), a few at a time. A progress bar on stderr counts the steps done; the first error is
-    raised and the compiles not yet started are dropped."""
-    from tqdm import tqdm
-
-    from jaxserve.engine.runner import COMPILE_THREADS
-
-    workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="plan-compile")
-    try:
-        with tqdm(total=len(keys), desc=desc, unit="step", disable=None) as bar:
-            futures = []
-            for key in keys:
-                future = pool.submit(compile_one, key, lower(key))
-                future.add_done_callback(lambda _: bar.update())
-                futures.append(future)
-            return [f.result() for f in futures]
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # (chip, vocab, rows, device batch shapes) -> the sampler's bytes. The sampler runs replicated, so

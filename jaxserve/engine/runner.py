@@ -63,6 +63,34 @@ def compiler_options(platform: str) -> dict[str, Any] | None:
     return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else None
 
 
+def compile_each(keys: list[Any], lower: Callable[[Any], Any], compile_one: Callable[[Any, Any], Any], desc: str,
+                 unit: str = "step") -> list[Any]:
+    """compile_one(key, lower(key)) for every key, results in the keys' order. Tracing and lowering
+    hold the GIL, so they run here one program after another, while XLA compiles (or loads from the
+    cache) the programs already lowered on a pool of threads: the Python work of the next program
+    overlaps the compiler's of the last ones, and on a multi-core host several programs compile at
+    once (XLA releases the GIL). A progress bar counts the programs done; the first error is raised
+    and the compiles not yet started are dropped."""
+    workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+    try:
+        with tqdm(total=len(keys), desc=desc, unit=unit, disable=None) as bar:
+            def done(key: Any) -> Callable[[concurrent.futures.Future], None]:
+                def update(_: concurrent.futures.Future) -> None:
+                    bar.set_postfix_str(" ".join(map(str, key)) if isinstance(key, tuple) else str(key))
+                    bar.update()
+                return update
+
+            futures = []
+            for key in keys:
+                future = pool.submit(compile_one, key, lower(key))
+                future.add_done_callback(done(key))
+                futures.append(future)
+            return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -123,37 +151,25 @@ class ModelRunner:
     # ---- ahead-of-time compilation ----------------------------------------------------------------
     def compile(self, keys: list[Key], abstract: Callable[[Key], dict[str, tuple[tuple[int, ...], Any]]]) -> dict[Key, float]:
         """Compile every command shape now (progress bar; seconds per step shape logged). With the
-        persistent compilation cache warm, this is mostly cache reads.
-
-        Tracing and lowering hold the GIL, so they run here one program after another, while XLA
-        compiles (or loads from the cache) the programs already lowered on a pool of threads: the
-        Python work of the next program overlaps the compiler's of the last ones, and on a
-        multi-core host several programs compile at once (XLA releases the GIL)."""
-        seconds: dict[Key, float] = {}
-        workers = max(1, min(len(keys), os.cpu_count() or 1, COMPILE_THREADS))
-
+        persistent compilation cache warm, this is mostly cache reads. Lowered here one by one,
+        compiled a few at once on threads (`compile_each`)."""
         options = compiler_options(jax.devices()[0].platform)
 
-        def compile_one(key: Key, lowered: jax.stages.Lowered, lowering_seconds: float) -> tuple[Key, Any, float]:
+        def lower(key: Key) -> tuple[jax.stages.Lowered, float]:
             start = time.perf_counter()
-            return key, lowered.compile(compiler_options=options), lowering_seconds + time.perf_counter() - start
+            lowered = self.programs.lower(key, self.params, self.kv, self.batch, abstract(key))
+            return lowered, time.perf_counter() - start
 
-        with tqdm(total=len(keys), desc="compiling steps", unit="shape", disable=None) as bar, \
-                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-            pending = []
-            for key in keys:
-                start = time.perf_counter()
-                lowered = self.programs.lower(key, self.params, self.kv, self.batch, abstract(key))
-                pending.append(pool.submit(compile_one, key, lowered, time.perf_counter() - start))
-            for future in concurrent.futures.as_completed(pending):
-                key, compiled, took = future.result()
-                self._programs[key] = compiled
-                seconds[key] = took
-                bar.set_postfix_str(" ".join(map(str, key)))
-                bar.update()
-                if key[0] in STEP_KINDS:
-                    log.info("compiled %s step %s in %.2fs", key[0], key[1:], took)
-        return seconds
+        def compile_one(key: Key, lowered: tuple[jax.stages.Lowered, float]) -> float:
+            program, lowering_seconds = lowered
+            start = time.perf_counter()
+            self._programs[key] = program.compile(compiler_options=options)
+            took = lowering_seconds + time.perf_counter() - start
+            if key[0] in STEP_KINDS:
+                log.info("compiled %s step %s in %.2fs", key[0], key[1:], took)
+            return took
+
+        return dict(zip(keys, compile_each(keys, lower, compile_one, "compiling steps", unit="shape")))
 
     @property
     def compiled_steps(self) -> dict[Key, Any]:

@@ -222,7 +222,7 @@ def test_steps_compile_on_a_pool_and_report_in_key_order():
     import threading
     import time
 
-    from jaxserve.plan import _compile_each
+    from jaxserve.engine.runner import compile_each
 
     threads = set()
 
@@ -231,9 +231,9 @@ def test_steps_compile_on_a_pool_and_report_in_key_order():
         time.sleep(0.05 * (3 - key))  # the first key finishes last
         return key, lowered
 
-    assert _compile_each([0, 1, 2], lambda k: f"lowered {k}", compile_one, "steps") == [
+    assert compile_each([0, 1, 2], lambda k: f"lowered {k}", compile_one, "steps") == [
         (0, "lowered 0"), (1, "lowered 1"), (2, "lowered 2")]
-    assert threads and all(name.startswith("plan-compile") for name in threads)
+    assert threads and all(name.startswith("compile") for name in threads)
 
     def out_of_memory(key: int, lowered: str) -> int:
         if key == 1:
@@ -241,7 +241,7 @@ def test_steps_compile_on_a_pool_and_report_in_key_order():
         return key
 
     with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED"):
-        _compile_each([0, 1, 2], str, out_of_memory, "steps")
+        compile_each([0, 1, 2], str, out_of_memory, "steps")
 
 
 def test_vmem_accesses_are_not_counted_as_hbm_traffic():
