@@ -239,7 +239,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
             compiled_steps = compile_each(keys, lambda key: programs.lower(key, params, cache, batch,
                                                                             builder.abstract(key)),
                                            compile_step, f"compiling steps for {topology}")
-            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), chip)
+            sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), sharding.logits(), chip)
             for key, (compiled, counted, seconds) in zip(keys, compiled_steps):
                 report = _report(key, compiled, counted, seconds, result, read_weights, max_pages_per_seq)
                 if counted is not None:
@@ -251,16 +251,18 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     return result
 
 
-# (chip, vocab, rows, device batch shapes) -> the sampler's bytes. The sampler runs replicated, so
-# its bytes barely depend on the mesh (about 1 MB of 40 MB-3 GB between one chip and eight):
-# measured once per chip kind, it costs one compile where each mesh size would cost another (5-16 s
-# each at a 128k vocabulary), which is what a planner comparing meshes would pay again and again.
+# (chip, mesh size, logits' spec, vocab, rows, device batch shapes) -> the sampler's bytes. Under
+# tensor parallelism the LM head is split over the vocabulary and nothing gathers its logits, so
+# the step samples on the shards: each chip's sampler bytes shrink with the mesh, and a sampler
+# compiled replicated (as this once was, to share one compile between mesh sizes) counted eight
+# chips' work at TP 8, which made the model's part look smaller than its floor (1.05 of floor at
+# 64 rows). Each mesh size costs a compile of its own (3-6 s at a 128k vocabulary).
 _SAMPLER_BYTES: dict[tuple, float] = {}
 
 
-def _sampler_cost(vocab_size: int, batch: Any, replicated: Any, chip: str) -> Any:
-    """rows -> bytes the sampler alone accesses for that many rows (logits all gathered, as in
-    the step): the work a step does beyond reading weights and KV pages, shown apart."""
+def _sampler_cost(vocab_size: int, batch: Any, replicated: Any, logits_sharding: Any, chip: str) -> Any:
+    """rows -> bytes the sampler alone accesses for that many rows, its logits sharded as the step's
+    LM head leaves them: the work a step does beyond reading weights and KV pages, shown apart."""
     import jax
     import jax.numpy as jnp
 
@@ -271,12 +273,13 @@ def _sampler_cost(vocab_size: int, batch: Any, replicated: Any, chip: str) -> An
         return sample(logits, device_batch.sampling_rows(b, slots, steps), row_loops=True)  # TPU's forms
 
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(batch))
+    mesh_size = logits_sharding.mesh.size
 
     def cost(rows: int) -> float:
-        key = (chip, vocab_size, rows, shapes)
+        key = (chip, mesh_size, logits_sharding.spec, vocab_size, rows, shapes)
         if key not in _SAMPLER_BYTES:
             i32 = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
-            logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=replicated)
+            logits = jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=logits_sharding)
             compiled = jax.jit(step).lower(batch, logits, i32, i32).compile(compiler_options=BYTES_OPTIONS)
             _SAMPLER_BYTES[key] = hbm_bytes_accessed(compiled)
         return _SAMPLER_BYTES[key]

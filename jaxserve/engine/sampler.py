@@ -28,6 +28,18 @@ Decisions worth knowing:
 - **No sort**: top_k and top_p thresholds are found by a 32-step bisection over the logits' bit
   patterns (exact), because XLA's sort of a real vocabulary is the slowest thing a sampler can do on
   the CPU. Each filter runs only when some sampled row in the batch uses it.
+- **One branch point** for batches that need nothing between the bias and the logprobs but argmax
+  (every row greedy, nothing banned, masked or penalised: what most serving traffic and every
+  benchmark sends). XLA:GPU runs a `lax.cond` by copying its predicate to the host and waiting for
+  the device to drain (`ConditionalThunk`), so each cond in the decode loop costs a sync per token
+  and leaves the GPU idle until the host launches the next kernels. Such a batch passes one cond
+  (then the argmax) where it passed three (grammar, penalties, draw): with the loop's condition and
+  the top-N logprobs' cond, three syncs a token instead of five. The other branch runs the stages
+  below, each still skipped when no row uses it. On the CPU and TPU a cond costs no sync; there it
+  is the same work. Top-N keeps a cond of its own: moved one cond deeper, its sort over
+  vocabulary-sharded logits (tensor parallelism on TPU) aborts libtpu 0.0.48's compiler
+  ("Stable sort expects more than 1 operand"), and computing it whenever the other branch runs
+  costs the CPU 1.3 ms a step at 16 rows over a 49k vocabulary.
 - **Everything banned**: if after `banned_ids` a row has no finite logit left, the ban is lifted for
   that row for this step (sampling proceeds from the biased logits as if nothing were banned), so a
   row never yields NaN logprobs or an arbitrary token 0. The host builds `banned_ids` from
@@ -129,6 +141,30 @@ def sample(logits: Array, batch: SamplingBatch, *, row_loops: bool = False) -> S
     the same either way; set it for TPU programs (see "Program size" in the module docstring)."""
     raw = logits.astype(jnp.float32)  # [B, V]
     x = _apply_bias(raw, batch.bias_ids, batch.bias_values)
+    token, scaled = jax.lax.cond(_needs_more_than_argmax(batch),
+                                 functools.partial(_process_and_draw, row_loops=row_loops), _argmax_only, x, batch)
+    lp_logits = jnp.where(batch.processed_logprobs[:, None], scaled, raw)
+    logprob, top_ids, top_logprobs = token_logprobs(lp_logits, token, batch.num_logprobs)
+    return SampleOutput(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _needs_more_than_argmax(batch: SamplingBatch) -> Array:
+    """Whether any row needs a step between the bias and the logprobs other than argmax: a grammar,
+    a ban, a penalty or a draw (see "One branch point" in the module docstring)."""
+    is_random = batch.temperature >= GREEDY_TEMPERATURE
+    bans = jnp.any(batch.banned_ids >= 0, axis=-1)
+    return jnp.any(batch.constrained | bans | _penalised(batch) | is_random)
+
+
+def _argmax_only(x: Array, batch: SamplingBatch) -> tuple[Array, Array]:
+    # Every row is greedy (temperature 1 for its processed logprobs, and x / 1 == x exactly), with
+    # nothing banned, masked or penalised: _process_and_draw would return these very values.
+    return _argmax(x), x
+
+
+def _process_and_draw(x: Array, batch: SamplingBatch, row_loops: bool) -> tuple[Array, Array]:
+    """The token and the temperature-scaled logits, for a batch where some row needs more than
+    argmax; each stage still runs only when some row uses it."""
     x = jax.lax.cond(jnp.any(batch.constrained), functools.partial(_apply_grammar, row_loops=row_loops),
                      lambda v, _: v, x, batch)
     x = _apply_bans(x, batch.banned_ids, row_loops)
@@ -149,10 +185,7 @@ def sample(logits: Array, batch: SamplingBatch, *, row_loops: bool = False) -> S
         lambda: jnp.where(is_random, _draw(scaled, batch, is_random, greedy_token, row_loops), greedy_token),
         lambda: greedy_token,
     )
-
-    lp_logits = jnp.where(batch.processed_logprobs[:, None], scaled, raw)
-    logprob, top_ids, top_logprobs = token_logprobs(lp_logits, token, batch.num_logprobs)
-    return SampleOutput(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+    return token, scaled
 
 
 def _padding_to_vocab(ids: Array, vocab_size: int) -> Array:
@@ -216,11 +249,12 @@ def _apply_bans(x: Array, banned_ids: Array, row_loops: bool) -> Array:
     return ban(x, ids)
 
 
+def _penalised(batch: SamplingBatch) -> Array:
+    return (batch.repetition_penalty != 1.0) | (batch.frequency_penalty != 0.0) | (batch.presence_penalty != 0.0)
+
+
 def _apply_penalties(x: Array, batch: SamplingBatch, row_loops: bool) -> Array:
-    penalised = (
-        (batch.repetition_penalty != 1.0) | (batch.frequency_penalty != 0.0) | (batch.presence_penalty != 0.0)
-    )
-    return jax.lax.cond(jnp.any(penalised), lambda v: _penalise(v, batch, row_loops), lambda v: v, x)
+    return jax.lax.cond(jnp.any(_penalised(batch)), lambda v: _penalise(v, batch, row_loops), lambda v: v, x)
 
 
 def _penalise(x: Array, batch: SamplingBatch, row_loops: bool) -> Array:

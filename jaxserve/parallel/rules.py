@@ -88,6 +88,11 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def logits(self) -> NamedSharding:
+        """[rows, vocab] logits as the LM head leaves them: split over the vocabulary when the head
+        is. Nothing gathers them, so the sampler runs on the shards (its reductions across them)."""
+        return NamedSharding(self.mesh, PartitionSpec(None, self.rules["vocab"]))
+
     def describe(self) -> list[str]:
         """Start-up log lines: what is split, and what is replicated and why."""
         n = self.size

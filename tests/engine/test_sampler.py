@@ -21,6 +21,7 @@ from jaxserve.engine.sampler import (
     SamplingBatch,
     _apply_top_k,
     _apply_top_p,
+    _needs_more_than_argmax,
     make_sampling_batch,
     sample,
 )
@@ -148,6 +149,46 @@ def test_greedy_is_argmax_whatever_the_filters():
     rows = [make_row(temperature=0.0, top_k=k, top_p=p, seed=i) for i, (k, p) in enumerate([(0, 1.0), (3, 0.5)] * 4)]
     out = _run(logits, rows)
     np.testing.assert_array_equal(out.token, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("neighbour", [
+    make_row(temperature=0.7, seed=3),
+    make_row(temperature=0.0, banned_ids=[5]),
+    make_row(temperature=0.0, presence_penalty=0.5, output_tokens=[1]),
+    make_row(temperature=0.0, allowed_mask=np.full(2, 0xFFFF, np.uint32)),
+], ids=["draw", "ban", "penalty", "grammar"])
+def test_argmax_only_rows_get_the_same_bits_from_either_branch(neighbour):
+    # A batch of plain greedy rows takes the argmax-only branch; one neighbour needing more sends
+    # the same rows through every stage. Their tokens and logprobs must not change by a bit.
+    logits = _logits(16)
+    logits[4, 7] = logits[4].max()  # a tie: the first index wins in both branches
+    flags = [(-1, True), (0, False), (0, True), (-1, False), (0, False), (-1, True), (0, True)]
+    plain = [make_row(temperature=0.0, num_logprobs=n, processed_logprobs=p, logit_bias={3: 4.0} if p else None)
+             for n, p in flags]
+    alone = _run(logits, plain)
+    crowded = _run(logits, [*plain, neighbour])
+    for field in ("token", "logprob", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(crowded, field)[:7], getattr(alone, field)[:7])
+    biased = logits[:7] + 4.0 * np.array([p for _, p in flags])[:, None] * (np.arange(V) == 3)
+    np.testing.assert_array_equal(alone.token[:7], biased.argmax(-1))
+    assert (biased.argmax(-1) != logits[:7].argmax(-1)).sum() == 3  # the bias matters
+    assert not _needs_more_than_argmax(_batch(plain, V, B))
+    assert _needs_more_than_argmax(_batch([*plain, neighbour], V, B))
+
+
+def test_a_batch_that_needs_only_argmax_passes_one_branch_point():
+    # Each top-level cond is a host sync per token on XLA:GPU (see "One branch point"): everything
+    # between the bias and the logprobs sits behind one, whose argmax-only branch holds no cond of
+    # its own; the top-N logprobs keep theirs.
+    batch = _batch([make_row(temperature=0.0)], V, B)
+    jaxpr = jax.make_jaxpr(sample)(jnp.asarray(_logits(17)), batch).jaxpr
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 2
+    argmax_only, everything = conds[0].params["branches"]
+    assert not [e for e in argmax_only.jaxpr.eqns if e.primitive.name in ("cond", "while", "scatter-add", "scatter")]
+    assert sum(e.primitive.name == "cond" for e in everything.jaxpr.eqns) == 3  # grammar, penalties, draw
+    no_top_n, top_n = conds[1].params["branches"]
+    assert any(e.primitive.name == "top_k" for e in top_n.jaxpr.eqns)
 
 
 def test_seeded_row_is_independent_of_its_neighbours():

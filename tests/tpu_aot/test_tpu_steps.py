@@ -11,11 +11,13 @@ Per compiled step (per chip):
   - a decode step's model reads (its bytes less the sampler's, which are reported apart) are at
     most 1/0.9 of what it must read anyway: every weight once plus the KV pages its rows can see
     (jaxserve.plan counts HBM bytes: VMEM prefetching off, and the VMEM side of what the compiler
-    still stages there taken out; see there). Nor are they less than 1/1.1 of it:
-    XLA:TPU reads a slice of a stacked weight in place, so a restored layer scan would copy
-    nothing, but the cost analysis counts a loop's body once, and a scan over 32 layers would show
-    as ~1/32 of the weights read; and bytes the VMEM correction took out that were HBM traffic
-    would show too (every step measured 0.98-1.05 of its floor on 2026-11-26).
+    still stages there taken out; see there). Nor are they less than 1/1.02 of it (no step can
+    read less than its floor): XLA:TPU reads a slice of a stacked weight in place, so a restored
+    layer scan would copy nothing, but the cost analysis counts a loop's body once, and a scan
+    over 32 layers would show as ~1/32 of the weights read; bytes the VMEM correction took out
+    that were HBM traffic would show too, and so would a sampler measured on more of the
+    vocabulary than the step's own shard. Every step measured 0.93-1.00 of its floor on
+    2026-11-26 (benchmarks/RESULTS.md).
 
 Compile time on two CPU cores is 5-40 s per step of a 32-layer model, so CI compiles the smallest
 and largest decode buckets of every configuration, the largest prefill bucket on one chip, and the
@@ -116,7 +118,7 @@ def test_decode_reads_little_more_than_its_floor(plans, config):
     assert decodes
     for s in decodes:
         assert 0 < s.sampler_bytes < s.bytes_accessed
-        assert 0.9 <= floor_ratio(s) <= 1.1, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
+        assert 0.9 <= floor_ratio(s) <= 1.02, (s.tokens, s.floor_bytes, s.bytes_accessed, s.sampler_bytes)
 
 
 def test_the_whole_grid_compiles(plans):
