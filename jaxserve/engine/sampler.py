@@ -29,17 +29,17 @@ Decisions worth knowing:
   patterns (exact), because XLA's sort of a real vocabulary is the slowest thing a sampler can do on
   the CPU. Each filter runs only when some sampled row in the batch uses it.
 - **One branch point** for batches that need nothing between the bias and the logprobs but argmax
-  (every row greedy, nothing banned, masked or penalised: what most serving traffic and every
-  benchmark sends). XLA:GPU runs a `lax.cond` by copying its predicate to the host and waiting for
-  the device to drain (`ConditionalThunk`), so each cond in the decode loop costs a sync per token
-  and leaves the GPU idle until the host launches the next kernels. Such a batch passes one cond
-  (then the argmax) where it passed three (grammar, penalties, draw): with the loop's condition and
-  the top-N logprobs' cond, three syncs a token instead of five. The other branch runs the stages
-  below, each still skipped when no row uses it. On the CPU and TPU a cond costs no sync; there it
-  is the same work. Top-N keeps a cond of its own: moved one cond deeper, its sort over
-  vocabulary-sharded logits (tensor parallelism on TPU) aborts libtpu 0.0.48's compiler
-  ("Stable sort expects more than 1 operand"), and computing it whenever the other branch runs
-  costs the CPU 1.3 ms a step at 16 rows over a 49k vocabulary.
+  (every row greedy, nothing banned, masked or penalised: greedy requests, evaluation runs and the
+  serving benchmarks). XLA:GPU runs a `lax.cond` by copying its predicate to the host and waiting
+  for the device to drain (`ConditionalThunk`), so each cond in the decode loop costs a sync per
+  token and leaves the GPU idle until the host launches the next kernels. Such a batch passes one
+  cond (then the argmax) where it passed three (grammar, penalties, draw): with the loop's condition
+  and the top-N logprobs' cond, three syncs a token instead of five. The other branch runs the
+  stages below, each still skipped when no row uses it. On the CPU and TPU a cond costs no sync;
+  there it is the same work. Top-N keeps a cond of its own: moved one cond deeper, its sort over
+  vocabulary-sharded logits (tensor parallelism on TPU) aborts libtpu 0.0.48's compiler ("Stable
+  sort expects more than 1 operand"), and computing it whenever the other branch runs would cost the
+  CPU's sampled batches a `lax.top_k` every step (1.3 ms at 16 rows over 49k tokens).
 - **Everything banned**: if after `banned_ids` a row has no finite logit left, the ban is lifted for
   that row for this step (sampling proceeds from the biased logits as if nothing were banned), so a
   row never yields NaN logprobs or an arbitrary token 0. The host builds `banned_ids` from
