@@ -168,16 +168,20 @@ def test_v5e_tp4_small_batches_read_their_floor(tpu_chip):
 
 
 def test_int8_weights_halve_the_decode_read(tpu_chip):
-    """--quantization int8: Llama-3-8B's decode step on one v6e chip reads about half the bytes of
-    the bfloat16 step (the convert feeds the dot; no dequantized copy of a weight is written),
-    still within its own floor, and holds half the weights."""
+    """--quantization int8: a decode step of Llama-3-8B's layers on one v6e chip reads about half
+    the bytes of the bfloat16 step (the convert feeds the dot; no dequantized copy of a weight is
+    written), still within its own floor, and holds half the weights."""
+    from jaxserve.models.config import decoder_config_from_hf
     from jaxserve.plan import floor_ratio, plan
 
     tpu_chip("v6e:2x2")
+    # Llama-3-8B's layers, 4 of them, and a small vocabulary: every assertion is a ratio, and the
+    # 32-layer compiles with the 128k sampler took 77 s of CI.
+    cfg = decoder_config_from_hf(dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=4, vocab_size=4096))
     steps, weights = {}, {}
     for q in ("none", "int8"):
         # A short context, so the KV pages (the same in both) are a small part of the read.
-        p = plan(_llama3_8b(), topology="v6e:2x2", tensor_parallel_size=1, max_model_len=512,
+        p = plan(cfg, topology="v6e:2x2", tensor_parallel_size=1, max_model_len=512,
                  max_num_seqs=8, max_num_batched_tokens=512, max_prefill_seqs=4, num_pages=512,
                  serving_compile=False, decode_buckets=(8,), kinds=("decode",), quantization=q)
         assert p.error is None, p.error
@@ -187,7 +191,7 @@ def test_int8_weights_halve_the_decode_read(tpu_chip):
     model = lambda s: s.bytes_accessed - s.sampler_bytes  # noqa: E731
     assert 0.45 <= model(int8) / model(bf16) <= 0.56, (model(int8), model(bf16))
     assert 0.45 <= weights["int8"] / weights["none"] <= 0.55
-    assert 0.9 <= floor_ratio(int8) <= 1.2, (int8.floor_bytes, int8.bytes_accessed, int8.sampler_bytes)
+    assert 0.9 <= floor_ratio(int8) <= 1.02, (int8.floor_bytes, int8.bytes_accessed, int8.sampler_bytes)
     assert int8.temp_bytes < bf16.temp_bytes + (64 << 20), (int8.temp_bytes, bf16.temp_bytes)
 
 
