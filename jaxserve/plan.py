@@ -165,10 +165,10 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.engine.build import largest_steps, scratch_reserve
-    from jaxserve.engine.runner import compile_each
     from jaxserve.engine.device_batch import abstract_batch
     from jaxserve.engine.kv_cache import KVCache, bytes_per_page, cache_dtype
     from jaxserve.engine.programs import StepPrograms
+    from jaxserve.engine.runner import compile_each
     from jaxserve.engine.step_inputs import StepInputBuilder
     from jaxserve.parallel import ShardingPlan
 
@@ -237,8 +237,8 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                 return compiled, counted, time.perf_counter() - start
 
             compiled_steps = compile_each(keys, lambda key: programs.lower(key, params, cache, batch,
-                                                                            builder.abstract(key)),
-                                           compile_step, f"compiling steps for {topology}")
+                                                                           builder.abstract(key)),
+                                          compile_step, f"compiling steps for {topology}")
             sampler = _sampler_cost(cfg.vocab_size, batch, sharding.replicated(), sharding.logits(), chip)
             for key, (compiled, counted, seconds) in zip(keys, compiled_steps):
                 report = _report(key, compiled, counted, seconds, result, read_weights, max_pages_per_seq)
