@@ -24,8 +24,19 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One jaxserve cache (converted tokenizers, weights, compiled steps) shared by the whole test run."""
-    return tmp_path_factory.mktemp("jaxserve-cache")
+    """One jaxserve cache (converted tokenizers, weights, compiled steps) shared by the whole test run.
+
+    Under pytest-xdist each worker has its own, but their `xla` directories (JAX's persistent
+    compilation cache) are one: the workers build many of the same step programs (the live
+    server's engine, the SmolLM2 engines of equal configurations), and a program one worker
+    compiled the other reads back. JAX writes an entry in place, so a worker may read one still
+    being written: it then warns and compiles it itself, which is all a miss costs."""
+    directory = tmp_path_factory.mktemp("jaxserve-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "xla-shared-by-workers"
+        shared.mkdir(exist_ok=True)
+        (directory / "xla").symlink_to(shared, target_is_directory=True)
+    return directory
 
 
 @pytest.fixture(scope="session", autouse=True)

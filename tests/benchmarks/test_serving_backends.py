@@ -1,32 +1,56 @@
 """The request functions against scripted SSE streams (httpx.MockTransport, no server): what they
-send, how they time chunks, and how every kind of failure is recorded rather than raised."""
+send, how they time chunks, and how every kind of failure is recorded rather than raised.
+
+Chunk timing runs on a virtual clock: a scripted delay advances the clock the request functions
+read instead of sleeping, so the timeline is exact however busy the machine is (real sleeps on a
+loaded CI box once stretched a 0.15 s TTFT to 0.92 s)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import types
 from typing import Any
 
 import httpx
 import pytest
 from toy_tokenizer import ToyTokenizer
 
+import benchmarks.serving_backends as serving_backends
 from benchmarks.serving_backends import RequestSpec, openai_chat, openai_completions, sglang_generate
 from benchmarks.serving_workloads import Prompt
 
 PROMPT = Prompt(text="the cat", token_ids=[5, 6, 7], output_len=3)
 
 
-class TimedStream(httpx.AsyncByteStream):
-    """Sends each (delay, bytes) after sleeping delay seconds."""
+class VirtualClock:
+    """The request functions' perf_counter: it moves only when a scripted stream says so."""
 
-    def __init__(self, parts: list[tuple[float, bytes]]):
-        self.parts = parts
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+CLOCK = VirtualClock()
+
+
+@pytest.fixture(autouse=True)
+def virtual_clock(monkeypatch):
+    monkeypatch.setattr(serving_backends, "time", types.SimpleNamespace(perf_counter=CLOCK.perf_counter))
+
+
+class TimedStream(httpx.AsyncByteStream):
+    """Sends each (delay, bytes) once delay seconds have passed on the virtual clock."""
+
+    def __init__(self, parts: list[tuple[float, bytes]], clock: VirtualClock):
+        self.parts, self.clock = parts, clock
 
     async def __aiter__(self):
         for delay, data in self.parts:
-            if delay:
-                await asyncio.sleep(delay)
+            self.clock.now += delay
+            await asyncio.sleep(0)  # still hand the loop over between chunks, as a network would
             yield data
 
 
@@ -44,7 +68,8 @@ def run(func, parts: list[tuple[float, bytes]] | None = None, status: int = 200,
             raise error
         if status != 200:
             return httpx.Response(status, content=body)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=TimedStream(parts or []))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=TimedStream(parts or [], CLOCK))
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
@@ -54,8 +79,7 @@ def run(func, parts: list[tuple[float, bytes]] | None = None, status: int = 200,
 
 
 def about(value: float, expected: float) -> bool:
-    """Sleeps are lower bounds; a busy machine may add delay, never remove it."""
-    return 0.9 * expected <= value <= expected + 0.5
+    return value == pytest.approx(expected, abs=1e-9)
 
 
 def completion_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
