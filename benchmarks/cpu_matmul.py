@@ -93,7 +93,8 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"], choices=list(BYTES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--impls", nargs="+", default=["xla", "native"], choices=["xla", "native"],
-                   help="native: the bfloat16 kernel of pallas_kernels/cpu_matmul.cc (skipped without AVX512-BF16)")
+                   help="native: the kernels of pallas_kernels/cpu_matmul.cc and cpu_qmatmul.cc (skipped where "
+                   "they do not build: they need AVX512-BF16, or AVX2 with FMA)")
     args = p.parse_args()
     if min(args.rows) < 1 or args.repeats < 1:
         p.error("--rows and --repeats must be >= 1")

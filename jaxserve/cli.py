@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "special tokens there")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="parameter and activation dtype; auto = float32 for float32 checkpoints, else bfloat16 "
-                   "(16-bit and quantized GGUF checkpoints), except on CPUs without native bfloat16 "
-                   "(AVX512-BF16, AMX or Arm BF16), which get float32")
+                   "(16-bit and quantized GGUF checkpoints), except on CPUs where bfloat16 products would be "
+                   "emulated, which get float32: bfloat16 needs the native products kernel (--matmul-backend: "
+                   "AVX512-BF16, or AVX2 with FMA) or bfloat16 dot instructions (AVX512-BF16, AMX, Arm BF16)")
     m.add_argument("--task", default="auto", choices=["auto", "generate", "classify", "embed"],
                    help="what to serve: generate (completions, chat, /generate), classify (POST /v1/classify "
                    "for *ForSequenceClassification, BERT/RoBERTa classifiers and reward models; one-label "
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the Pallas kernels on TPUs (compiled by the real TPU compiler in CI, not yet timed on a TPU)")
     e.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="the weights' form in the steps. auto keeps the checkpoint's own precision: on the CPU "
-                   "with the native kernel (bfloat16, AVX512-BF16), a GGUF's Q4_0 / Q4_1 / Q4_K (4 bits a weight) "
+                   "with the native kernel (bfloat16; AVX512-BF16 or AVX2), a GGUF's Q4_0 / Q4_1 / Q4_K (4 bits a "
+                   "weight) "
                    "and Q8_0 / Q6_K (read as 8 bits) blocks stay quantized as they are in the file, with their "
                    "scales; a weight in another block type (Q5_0, Q5_K, Q2_K, IQ4_XS, ...: llama.cpp's Q4_K_M "
                    "files use Q5_0 where a row is no whole number of 256) runs dequantized, named in a warning; "
@@ -199,11 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "accurate (GGUF Q4_1's blocks), 128 the smallest (0.25 bits a weight of scales instead of 1)")
     e.add_argument("--matmul-backend", default="auto", choices=["auto", "xla", "cpu"],
                    help="how products with the weights run: xla (XLA's dot), or cpu, a native "
-                   "kernel for bfloat16 weights on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later), "
-                   "built like the cpu attention kernel. The weights are repacked at start-up into 32-column "
-                   "strips that the kernel streams at close to the memory's rate (1.6-3x XLA's dot at 16 rows, "
-                   "~20x at one) and that also beat XLA's GEMM at prefill sizes. auto = cpu for bfloat16 "
-                   "models on such a CPU without tensor parallelism, else xla")
+                   "kernel for bfloat16 (and int8 and 4-bit) weights on x86 CPUs, built like the cpu attention "
+                   "kernel for the best instructions there: AVX512-BF16 (Zen 4, Sapphire Rapids and later), else "
+                   "AVX2 with FMA (Haswell, Zen 1 and later), summing in float32. The weights are repacked at "
+                   "start-up into 32-column strips that the kernel streams at close to the memory's rate (on "
+                   "AVX512-BF16 1.6-3x XLA's dot at 16 rows, ~20x at one) and that also beat XLA's GEMM at "
+                   "prefill sizes. auto = cpu for bfloat16 models on such a CPU without tensor parallelism, "
+                   "else xla")
     e.add_argument("--decode-steps", type=int, default=None, metavar="K",
                    help="decode iterations one device step may run when the batch has nothing else to do (no "
                    "waiting requests, no grammar-constrained rows): sampled tokens are fed back on the device and "

@@ -63,16 +63,18 @@ def resolve_max_model_len(requested: int | None, limit: int,
 
 
 def load(cfg: ModelConfig, tensor_parallel_size: int = 1, sharded: bool = True,
-         skip_tokenizer_init: bool = False, keep_blocks: str = "none") -> LoadedServing:
+         skip_tokenizer_init: bool = False, keep_blocks: str = "none",
+         native_bf16: bool | None = None) -> LoadedServing:
     """Load weights (sharded over a mesh of `tensor_parallel_size` local devices; with
     sharded=False, at size 1, plainly on one device) and the tokenizer (none with
     skip_tokenizer_init: the checkpoint then needs no tokenizer files). keep_blocks: none, auto
-    or strict, which of a GGUF's blocks are kept (loaded.blocks; load_model)."""
+    or strict, which of a GGUF's blocks are kept (loaded.blocks; load_model). native_bf16:
+    whether bfloat16 runs fast here (--dtype auto; load_model)."""
     start = time.perf_counter()
     mesh = make_mesh(tensor_parallel_size, sharded)
     loaded = load_model(cfg.model, cfg.dtype, cache_dir=cfg.cache_dir, use_cache=cfg.weight_cache,
                         load_format=cfg.load_format, hf_overrides=cfg.hf_overrides,
-                        keep_blocks=keep_blocks,
+                        keep_blocks=keep_blocks, native_bf16=native_bf16,
                         sharding_for=param_sharding_for(mesh) if mesh is not None else None)
     source = loaded.source
     tokenizer = None
@@ -165,7 +167,10 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     products.check_group_size(config.model.quantization_group_size)
     keep_blocks = ("strict" if asked == "gguf" else
                    "auto" if asked == "auto" and products.keeps_gguf_blocks(config.matmul_backend, tp) else "none")
-    ready = load(config.model, tp, skip_tokenizer_init=skip_tokenizer_init, keep_blocks=keep_blocks)
+    # On the CPU, --dtype auto picks bfloat16 where the products run fast in it (the native kernels).
+    native_bf16 = products.bfloat16_runs_fast(config.matmul_backend, tp)
+    ready = load(config.model, tp, skip_tokenizer_init=skip_tokenizer_init, keep_blocks=keep_blocks,
+                 native_bf16=native_bf16)
     log.info("model: %s", ready.summary())
     max_model_len = ready.max_model_len
     if config.model.max_model_len is None and default_max_model_len is not None:
@@ -194,7 +199,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
         # The served model's config.json overrides are its own, not the draft's.
         draft_config = dataclasses.replace(config.model, model=config.model.speculative_model, max_model_len=None,
                                            speculative_model=None, hf_overrides=None)
-        draft = load(draft_config, tp, skip_tokenizer_init=True).loaded.model
+        draft = load(draft_config, tp, skip_tokenizer_init=True, native_bf16=native_bf16).loaded.model
         log.info("speculative decoding: draft model %s, up to %d draft tokens per verify step",
                  config.model.speculative_model, scheduler.num_speculative_tokens)
     elif scheduler.speculative_method is not None:

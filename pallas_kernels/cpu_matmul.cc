@@ -31,12 +31,17 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#if JAXSERVE_AVX2
+#include "cpu_avx2.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 // Whether this build has the instructions the kernel needs; cpu_matmul.py asks before using it.
-extern "C" int JaxserveMatmulSupported() { return JAXSERVE_BF16_DOT; }
+extern "C" int JaxserveMatmulSupported() { return JAXSERVE_BF16_DOT || JAXSERVE_AVX2; }
+// Which instructions this build uses: 2 AVX512-BF16, 1 AVX2 + FMA (cpu_avx2.h), 0 none.
+extern "C" int JaxserveMatmulIsa() { return JAXSERVE_BF16_DOT ? 2 : JAXSERVE_AVX2 ? 1 : 0; }
 
 namespace {
 
@@ -348,20 +353,22 @@ void run_all_int8(const ProblemInt8& p, Pool& pool) {
   });
 }
 
+#endif  // JAXSERVE_BF16_DOT
+
 // The shapes both products take: x [..., K] (M rows), a weight packed in strips [ceil(N / 32), K,
 // 32], out [..., N]. Sets m, k, n, or says what is wrong, naming the product (`what`).
 ffi::Error strip_shapes(const char* what, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& out,
                         int64_t& m, int64_t& k, int64_t& n) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const std::string name(what);
-  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != kStrip)
+  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != 32)
     return ffi::Error::InvalidArgument(name + ": the weight must be packed in strips, [ceil(N / 32), K, 32]");
   k = xd[xd.size() - 1];
   n = od[od.size() - 1];
   m = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
   if (wd[1] != k) return ffi::Error::InvalidArgument(name + ": x and the weight disagree on K");
-  if (wd[0] != (n + kStrip - 1) / kStrip || static_cast<int64_t>(out->element_count()) != m * n)
+  if (wd[0] != (n + 31) / 32 || static_cast<int64_t>(out->element_count()) != m * n)
     return ffi::Error::InvalidArgument(name + ": the output must be [..., N] for the weight's strips");
   return ffi::Error::Success();
 }
@@ -374,7 +381,6 @@ bool nothing_to_multiply(int64_t m, int64_t k, int64_t n, uint16_t* out) {
   return true;
 }
 
-#endif  // JAXSERVE_BF16_DOT
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
 #if JAXSERVE_BF16_DOT
@@ -389,8 +395,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
   run_all(p, pool);
   return ffi::Error::Success();
+#elif JAXSERVE_AVX2
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
+      out->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu matmul: x, the weight and the output must be bfloat16");
+  jaxserve::avx2::Problem p{};
+  if (ffi::Error e = strip_shapes("cpu matmul", x, w, out, p.m, p.k, p.n); e.failure()) return e;
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
+  jaxserve::avx2::product<jaxserve::avx2::Bf16Rows, float>(p, static_cast<const uint16_t*>(x.untyped_data()), pool);
+  return ffi::Error::Success();
 #else
-  return ffi::Error::Unimplemented("cpu matmul: built without AVX512-BF16");
+  return ffi::Error::Unimplemented("cpu matmul: built without AVX512-BF16 or AVX2");
 #endif
 }
 
@@ -412,8 +429,23 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
   run_all_int8(p, pool);
   return ffi::Error::Success();
+#elif JAXSERVE_AVX2
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::S8 ||
+      scale.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "cpu int8 matmul: x and the output must be bfloat16, the weight int8 and the scales float32");
+  jaxserve::avx2::Problem p{};
+  if (ffi::Error e = strip_shapes("cpu int8 matmul", x, w, out, p.m, p.k, p.n); e.failure()) return e;
+  const auto sd = scale.dimensions();
+  if (sd.size() != 1 || sd[0] != p.n) return ffi::Error::InvalidArgument("cpu int8 matmul: the scales must be [N]");
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.col_scale = static_cast<const float*>(scale.untyped_data());
+  p.out = static_cast<uint16_t*>(out->untyped_data());
+  if (nothing_to_multiply(p.m, p.k, p.n, p.out)) return ffi::Error::Success();
+  jaxserve::avx2::product<jaxserve::avx2::Int8Rows, float>(p, static_cast<const uint16_t*>(x.untyped_data()), pool);
+  return ffi::Error::Success();
 #else
-  return ffi::Error::Unimplemented("cpu int8 matmul: built without AVX512-BF16");
+  return ffi::Error::Unimplemented("cpu int8 matmul: built without AVX512-BF16 or AVX2");
 #endif
 }
 

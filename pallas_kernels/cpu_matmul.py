@@ -4,8 +4,12 @@ custom call): `x @ w` for a weight w [K, N] packed in strips by `pack` (done onc
 A decode step multiplies a few rows by every weight of the model, so it streams the weights; XLA's
 bfloat16 dot does that at ~10 GB/s on two cores at 16 rows and ~1.4 GB/s at one row (see
 benchmarks/RESULTS.md), the kernel at the memory's rate; on the packed layout it also beats XLA's
-GEMM at prefill sizes, so it takes every row count. It needs AVX512-BF16 (Zen 4, Sapphire Rapids
-and later); `available()` says whether this machine has it and the kernel built.
+GEMM at prefill sizes, so it takes every row count. It is built for the best instructions this CPU
+has: AVX512-BF16 (Zen 4, Sapphire Rapids and later), else AVX2 with FMA and F16C (x86-64-v3: every
+x86 server CPU since Haswell and Zen 1), where `cpu_avx2.h` widens the stored values to float32 and
+sums with FMAs, same layouts, same results to float32 rounding. `available()` says whether the
+kernel built and has its instructions here, `isa()` which ones it uses. The tests also build the
+AVX2 code on CPUs that have AVX512-BF16 (tier "avx2", `TIERS`), so both are checked on either.
 
 int8 weights (`quantize_int8`, `pack`, `matmul_int8`): per output column, symmetric, w ~= q * scale.
 The kernel's second entry point widens the int8 strips to bfloat16 exactly (|q| <= 127) inside
@@ -35,25 +39,48 @@ TARGET = "jaxserve_cpu_matmul"
 TARGET_INT8 = "jaxserve_cpu_matmul_int8"  # the int8 weight-only product (`matmul_int8`)
 STRIP = 32  # columns per strip of a packed weight: one 64-byte cache line of bfloat16
 
+# Builds of the product kernels (here and in cpu_qmatmul.py), by name -> their -D flags. "native"
+# is what serving uses: the best instructions of this CPU. "avx2" is the AVX2 + FMA code even where
+# AVX512-BF16 exists, a library and FFI targets of its own (names suffixed "_avx2"), for the tests.
+TIERS: dict[str, tuple[str, ...]] = {"native": (), "avx2": ("-DJAXSERVE_FORCE_AVX2",)}
+NEEDS = "AVX512-BF16, or AVX2 with FMA and F16C"  # what the CPU must have, for messages
+ISA_NAMES = {2: "AVX512-BF16", 1: "AVX2"}  # JaxserveMatmulIsa() -> name
+
+
+def target_name(target: str, tier: str) -> str:
+    """The FFI target of `target` in the build `tier`."""
+    if tier not in TIERS:
+        raise ValueError(f"kernel tier must be one of {', '.join(TIERS)}; got {tier!r}")
+    return target if tier == "native" else f"{target}_{tier}"
+
 
 @functools.cache
-def _register() -> bool:
+def _register(tier: str = "native") -> bool:
     """Build (or find) the kernel and register it with XLA once per process; False when the CPU
     lacks the instructions. Raises BuildError."""
     return native.register(SOURCE, "JaxserveMatmulSupported",
-                           {TARGET: "JaxserveMatmul", TARGET_INT8: "JaxserveMatmulInt8"})
+                           {target_name(TARGET, tier): "JaxserveMatmul",
+                            target_name(TARGET_INT8, tier): "JaxserveMatmulInt8"}, TIERS[tier])
 
 
-def ensure_built() -> bool:
-    """Build and register the kernel now; False when the CPU lacks AVX512-BF16; raises BuildError
-    (with the compiler's message) when it does not build."""
-    return _register()
+def ensure_built(tier: str = "native") -> bool:
+    """Build and register the kernel now; False when the CPU lacks the instructions (`NEEDS`);
+    raises BuildError (with the compiler's message) when it does not build."""
+    return _register(tier)
 
 
 @functools.cache
-def available() -> bool:
+def available(tier: str = "native") -> bool:
     """Whether the kernel builds, loads and has its instructions here (logs why not, once)."""
-    return native.usable(_register, "native CPU products", "using XLA's dot")
+    return native.usable(lambda: _register(tier), "native CPU products", "using XLA's dot", NEEDS)
+
+
+def isa(tier: str = "native") -> str | None:
+    """The instructions the kernel of `tier` runs on here ("AVX512-BF16" or "AVX2"), None where
+    it is not available."""
+    if not available(tier):
+        return None
+    return ISA_NAMES[native.load(SOURCE, TIERS[tier]).JaxserveMatmulIsa()]
 
 
 def pack(w: jax.Array) -> jax.Array:
@@ -76,29 +103,30 @@ def unpack(packed: jax.Array, n: int) -> jax.Array:
     return packed.transpose(1, 0, 2).reshape(k, strips * STRIP)[:, :n]
 
 
-def uses_kernel(x: jax.Array, packed: jax.Array) -> bool:
+def uses_kernel(x: jax.Array, packed: jax.Array, tier: str = "native") -> bool:
     """Whether `matmul` runs the native kernel for these operands (else XLA's GEMM): bfloat16 both,
     at least one row, static shapes, and the kernel built here."""
     if not all(isinstance(d, int) for d in (*x.shape, *packed.shape)):
         return False  # symbolic (exported) shapes
     rows = int(np.prod(x.shape[:-1]))
-    return x.dtype == jnp.bfloat16 and packed.dtype == jnp.bfloat16 and rows > 0 and available()
+    return x.dtype == jnp.bfloat16 and packed.dtype == jnp.bfloat16 and rows > 0 and available(tier)
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] for `packed` = pack(w)."""
+def matmul(x: jax.Array, packed: jax.Array, n: int, tier: str = "native") -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] for `packed` = pack(w) (`tier`: the kernel build, TIERS)."""
     if packed.ndim != 3 or packed.shape[2] != STRIP or packed.shape[0] != -(-n // STRIP):
         raise ValueError(f"packed weight of shape {packed.shape} does not hold {n} columns in strips of {STRIP}")
     if packed.shape[1] != x.shape[-1]:
         raise ValueError(f"x of shape {x.shape} and packed weight of shape {packed.shape} disagree on K")
-    if not uses_kernel(x, packed):
+    if not uses_kernel(x, packed, tier):
         # XLA's GEMM on the strips: a contraction over K, the strips and their columns kept as
         # output axes, then the padding columns dropped.
         out = jnp.einsum("...k,skc->...sc", x, packed)
         return out.reshape(*x.shape[:-1], -1)[..., :n]
     # Every row count: with each strip contiguous the kernel also beats XLA's GEMM at prefill sizes
     # (512 rows x 576 x 1536: 2.2 ms vs 2.6 ms on two Zen 4 cores), unlike on the [K, N] layout.
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(x, packed)
+    return jax.ffi.ffi_call(target_name(TARGET, tier), jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
+        x, packed)
 
 
 def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,16 +144,16 @@ def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def uses_kernel_int8(x: jax.Array, packed_q: jax.Array) -> bool:
+def uses_kernel_int8(x: jax.Array, packed_q: jax.Array, tier: str = "native") -> bool:
     """Whether `matmul_int8` runs the native kernel for these operands (else XLA's GEMM): x
     bfloat16, the weight int8, at least one row, static shapes, and the kernel built here."""
     if not all(isinstance(d, int) for d in (*x.shape, *packed_q.shape)):
         return False  # symbolic (exported) shapes
     rows = int(np.prod(x.shape[:-1]))
-    return x.dtype == jnp.bfloat16 and packed_q.dtype == jnp.int8 and rows > 0 and available()
+    return x.dtype == jnp.bfloat16 and packed_q.dtype == jnp.int8 and rows > 0 and available(tier)
 
 
-def matmul_int8(x: jax.Array, packed_q: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+def matmul_int8(x: jax.Array, packed_q: jax.Array, scale: jax.Array, n: int, tier: str = "native") -> jax.Array:
     """x [..., K] @ (q * scale) -> [..., N] in x's dtype, for `packed_q` = pack(q) and `scale` [N]
     float32 from `quantize_int8` (unpadded: the kernel masks the last strip's scales). The sums are
     float32 and the scale multiplies each after the contraction, before the one rounding to x's
@@ -138,9 +166,9 @@ def matmul_int8(x: jax.Array, packed_q: jax.Array, scale: jax.Array, n: int) -> 
         raise ValueError(f"packed weight of dtype {packed_q.dtype}: expected int8 (pack(quantize_int8(w)[0]))")
     if scale.shape != (n,):
         raise ValueError(f"scale of shape {scale.shape}: expected ({n},), one per output column")
-    if not uses_kernel_int8(x, packed_q):
+    if not uses_kernel_int8(x, packed_q, tier):
         return _matmul_int8_xla(x, packed_q, scale, n)
-    return jax.ffi.ffi_call(TARGET_INT8, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
+    return jax.ffi.ffi_call(target_name(TARGET_INT8, tier), jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(
         x, packed_q, scale.astype(jnp.float32))
 
 

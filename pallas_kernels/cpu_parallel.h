@@ -11,11 +11,18 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && !defined(JAXSERVE_FORCE_AVX2)
 #include <immintrin.h>
 #define JAXSERVE_BF16_DOT 1
 #else
 #define JAXSERVE_BF16_DOT 0
+#endif
+// The products' second tier (cpu_avx2.h): x86-64-v3 without AVX512-BF16, or any newer CPU when the
+// build asks for it (-DJAXSERVE_FORCE_AVX2: the tests run this tier on machines that have both).
+#if !JAXSERVE_BF16_DOT && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXSERVE_AVX2 1
+#else
+#define JAXSERVE_AVX2 0
 #endif
 
 namespace jaxserve {

@@ -36,11 +36,14 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#if JAXSERVE_AVX2
+#include "cpu_avx2.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-extern "C" int JaxserveQMatmulSupported() { return JAXSERVE_BF16_DOT; }
+extern "C" int JaxserveQMatmulSupported() { return JAXSERVE_BF16_DOT || JAXSERVE_AVX2; }
 
 namespace {
 
@@ -286,10 +289,10 @@ ffi::Error problem(const char* what, int64_t pair_bytes, int scale_rows, ffi::An
   return ffi::Error::Success();
 }
 
+#if JAXSERVE_BF16_DOT
 template <typename Q>
 ffi::Error Product(const char* what, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
                    ffi::Result<ffi::AnyBuffer> out) {
-#if JAXSERVE_BF16_DOT
   QProblem p;
   if (ffi::Error e = problem(what, Q::kPairBytes, Q::kScaleRows, x, w, scales, out, p); e.failure()) return e;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
@@ -298,30 +301,51 @@ ffi::Error Product(const char* what, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi
   else
     run<Q, uint16_t>(p, pool);
   return ffi::Error::Success();
-#else
-  return ffi::Error::Unimplemented(std::string(what) + ": built without AVX512-BF16");
-#endif
 }
+#elif JAXSERVE_AVX2
+// The same products on AVX2 + FMA (cpu_avx2.h): Rows is the strip's stored form.
+template <typename Rows>
+ffi::Error Product(const char* what, int64_t pair_bytes, int scale_rows, ffi::ThreadPool pool, ffi::AnyBuffer x,
+                   ffi::AnyBuffer w, ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out) {
+  QProblem q;
+  if (ffi::Error e = problem(what, pair_bytes, scale_rows, x, w, scales, out, q); e.failure()) return e;
+  if (q.m == 0 || q.n == 0) return ffi::Error::Success();
+  jaxserve::avx2::Problem p{};
+  p.w = q.w;
+  p.scales = q.scales;
+  p.out = q.out;
+  p.m = q.m, p.k = q.k, p.n = q.n, p.group = q.group;
+  p.scale_rows = scale_rows;
+  if (scales.element_type() == ffi::DataType::F32)
+    jaxserve::avx2::product<Rows, float>(p, q.x, pool);
+  else
+    jaxserve::avx2::product<Rows, uint16_t>(p, q.x, pool);
+  return ffi::Error::Success();
+}
+#endif
 
-#if JAXSERVE_BF16_DOT
 ffi::Error MatmulQ4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer s,
                     ffi::Result<ffi::AnyBuffer> out) {
   if (w.element_type() != ffi::DataType::U8) return ffi::Error::InvalidArgument("cpu q4 matmul: the weight must be uint8");
+#if JAXSERVE_BF16_DOT
   return Product<Q4>("cpu q4 matmul", pool, x, w, s, out);
+#elif JAXSERVE_AVX2
+  return Product<jaxserve::avx2::Q4Pairs>("cpu q4 matmul", 32, 2, pool, x, w, s, out);
+#else
+  return ffi::Error::Unimplemented("cpu q4 matmul: built without AVX512-BF16 or AVX2");
+#endif
 }
 ffi::Error MatmulQ8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer s,
                     ffi::Result<ffi::AnyBuffer> out) {
   if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("cpu q8 matmul: the weight must be int8");
+#if JAXSERVE_BF16_DOT
   return Product<Q8>("cpu q8 matmul", pool, x, w, s, out);
-}
+#elif JAXSERVE_AVX2
+  return Product<jaxserve::avx2::Int8Rows>("cpu q8 matmul", 64, 1, pool, x, w, s, out);
 #else
-ffi::Error MatmulQ4(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) {
-  return ffi::Error::Unimplemented("cpu q4 matmul: built without AVX512-BF16");
-}
-ffi::Error MatmulQ8(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) {
-  return ffi::Error::Unimplemented("cpu q8 matmul: built without AVX512-BF16");
-}
+  return ffi::Error::Unimplemented("cpu q8 matmul: built without AVX512-BF16 or AVX2");
 #endif
+}
 
 }  // namespace
 

@@ -14,7 +14,8 @@ Layouts (made once, at load): `pack_q4` / `pack_q8` put the values in strips of 
 `cpu_matmul.pack` does, `pack_scales` the scales beside them, [ceil(N / 32), K / G, R, 32]
 (R = 2 for Q4: d then mn). The kernel's sums are float32 over the exact values, scaled per group,
 and rounded to bfloat16 once (the reasoning is in cpu_qmatmul.cc). Where the kernel is not built
-(no AVX512-BF16) `matmul_q4` / `matmul_q8` dequantize and run XLA's dot: correct, not fast.
+(neither AVX512-BF16 nor AVX2 with FMA: cpu_matmul.NEEDS) `matmul_q4` / `matmul_q8` dequantize and
+run XLA's dot: correct, not fast. Built in the tiers of cpu_matmul (`TIERS`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import native
-from pallas_kernels.cpu_matmul import STRIP, pack, unpack
+from pallas_kernels.cpu_matmul import NEEDS, STRIP, TIERS, pack, target_name, unpack
 
 SOURCE = Path(__file__).with_name("cpu_qmatmul.cc")
 TARGET_Q4 = "jaxserve_cpu_matmul_q4"
@@ -35,15 +36,17 @@ TARGET_Q8 = "jaxserve_cpu_matmul_q8"
 
 
 @functools.cache
-def _register() -> bool:
+def _register(tier: str = "native") -> bool:
     return native.register(SOURCE, "JaxserveQMatmulSupported",
-                           {TARGET_Q4: "JaxserveMatmulQ4", TARGET_Q8: "JaxserveMatmulQ8"})
+                           {target_name(TARGET_Q4, tier): "JaxserveMatmulQ4",
+                            target_name(TARGET_Q8, tier): "JaxserveMatmulQ8"}, TIERS[tier])
 
 
 @functools.cache
-def available() -> bool:
+def available(tier: str = "native") -> bool:
     """Whether the kernel builds, loads and has its instructions here (logs why not, once)."""
-    return native.usable(_register, "native block-quantized CPU products", "dequantizing into XLA's dot")
+    return native.usable(lambda: _register(tier), "native block-quantized CPU products",
+                         "dequantizing into XLA's dot", NEEDS)
 
 
 def _check_groups(k: int, group: int) -> None:
@@ -156,29 +159,30 @@ def _check(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int, rows_per_
     return k // groups
 
 
-def _uses_kernel(x: jax.Array, packed: jax.Array) -> bool:
+def _uses_kernel(x: jax.Array, packed: jax.Array, tier: str) -> bool:
     if not all(isinstance(d, int) for d in (*x.shape, *packed.shape)):
         return False  # symbolic (exported) shapes
-    return x.dtype == jnp.bfloat16 and int(np.prod(x.shape[:-1])) > 0 and available()
+    return x.dtype == jnp.bfloat16 and int(np.prod(x.shape[:-1])) > 0 and available(tier)
 
 
-def matmul_q4(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int) -> jax.Array:
+def matmul_q4(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int, tier: str = "native") -> jax.Array:
     """x [..., K] @ (q * d + mn) -> [..., N] in x's dtype, for packed = pack_q4(q) and scales =
-    pack_scales(d, mn)."""
-    return _matmul(x, packed, scales, n, 4)
+    pack_scales(d, mn) (`tier`: the kernel build, cpu_matmul.TIERS)."""
+    return _matmul(x, packed, scales, n, 4, tier)
 
 
-def matmul_q8(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int) -> jax.Array:
+def matmul_q8(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int, tier: str = "native") -> jax.Array:
     """x [..., K] @ (q * d) -> [..., N] in x's dtype, for packed = pack_q8(q), scales = pack_scales(d)."""
-    return _matmul(x, packed, scales, n, 8)
+    return _matmul(x, packed, scales, n, 8, tier)
 
 
-def _matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int, bits: int) -> jax.Array:
+def _matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, n: int, bits: int, tier: str) -> jax.Array:
     what, dtype, target = ("matmul_q4", jnp.uint8, TARGET_Q4) if bits == 4 else ("matmul_q8", jnp.int8, TARGET_Q8)
+    target = target_name(target, tier)
     _check(x, packed, scales, n, 0.5 if bits == 4 else 1, 2 if bits == 4 else 1, what)
     if packed.dtype != dtype:
         raise ValueError(f"{what}: packed weight of dtype {packed.dtype}: expected {jnp.dtype(dtype).name}")
-    if _uses_kernel(x, packed):
+    if _uses_kernel(x, packed, tier):
         return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.bfloat16))(x, packed, scales)
     d, mn = unpack_scales(scales, n)
     return _dot(x, dequantize(unpack_q4(packed, n) if bits == 4 else unpack(packed, n), d, mn))

@@ -434,6 +434,24 @@ def check_int4_shapes(cfg: Any, group: int) -> None:
                          f"({', '.join(str(g) for g in GROUP_SIZES if all(v % g == 0 for v in widths.values())) or 'none does'})")
 
 
+def bfloat16_runs_fast(matmul_backend: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:
+    """Whether a generation model's steps run fast in bfloat16 on this CPU (what --dtype auto
+    decides there): its products go to the native kernel (one device, --matmul-backend auto or
+    cpu, the kernel built for AVX512-BF16 or AVX2 + FMA), or the CPU has bfloat16 dot instructions
+    that XLA's own products use. Elsewhere (AVX2 with --matmul-backend xla, say) XLA:CPU emulates
+    bfloat16 products, slower than float32. True off the CPU (resolve_dtype ignores it there)."""
+    from jaxserve.weights.loader import cpu_has_native_bf16
+
+    platform = platform or jax.default_backend()
+    if platform != "cpu" or cpu_has_native_bf16():
+        return True
+    if tensor_parallel > 1 or matmul_backend == "xla":
+        return False
+    from pallas_kernels import cpu_matmul
+
+    return cpu_matmul.available()
+
+
 def keeps_gguf_blocks(matmul_backend: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:
     """Whether --quantization auto keeps a GGUF's blocks for this run: where the native CPU kernel
     reads them (one device, --matmul-backend auto or cpu; the loader also wants the model in
@@ -459,7 +477,10 @@ def describe_quantization(name: str, group: int) -> str:
 def describe_backend(name: str) -> str:
     """One line for the start-up log."""
     if name == "cpu":
-        return "cpu (native kernel, pallas_kernels/cpu_matmul.cc: bfloat16 weights packed in strips)"
+        from pallas_kernels import cpu_matmul
+
+        return (f"cpu (native kernel, pallas_kernels/cpu_matmul.cc on {cpu_matmul.isa()}: bfloat16 weights "
+                "packed in strips)")
     return "xla (XLA's dot)"
 
 
@@ -482,8 +503,7 @@ def resolve_backend(name: str, dtype: object, platform: str | None = None, tenso
         from pallas_kernels import cpu_matmul
 
         if not cpu_matmul.ensure_built():
-            raise ValueError("--matmul-backend cpu needs AVX512-BF16 (Zen 4, Sapphire Rapids or later); "
-                             "this CPU lacks it")
+            raise ValueError(f"--matmul-backend cpu needs {cpu_matmul.NEEDS}; this CPU lacks them")
         return name
     if name == "auto":
         # The kernel computes bfloat16 only, and (like the CPU attention kernel) has no sharding rule.

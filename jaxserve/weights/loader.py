@@ -58,8 +58,9 @@ class LoadedModel:
 def resolve_dtype(requested: str, checkpoint_dtype: str, platform: str, native_bf16: bool | None = None) -> Any:
     """--dtype: float32 | bfloat16 | auto. auto is the checkpoint's own precision, never more: float32
     checkpoints run in float32, 16-bit and quantized ones (GGUF) in bfloat16 -- except on a CPU
-    without native bfloat16 arithmetic (`native_bf16`, default: read from this CPU), where
-    bfloat16 products are emulated and everything runs in float32."""
+    where bfloat16 products would be emulated (`native_bf16` False; default: whether this CPU has
+    bfloat16 dot instructions), where everything runs in float32. A generation model's products
+    also run fast on the native product kernels (jaxserve.models.products.bfloat16_runs_fast)."""
     if requested in DTYPES:
         return DTYPES[requested]
     if requested != "auto":
@@ -229,6 +230,7 @@ def load_model(
     load_format: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     keep_blocks: str = "none",
+    native_bf16: bool | None = None,
 ) -> LoadedModel:
     """Load `model` (HF directory or GGUF). With use_cache, the first load writes an orbax
     checkpoint of the converted parameters under cache_dir and later loads restore from it.
@@ -239,7 +241,8 @@ def load_model(
     reads them, so start-up never holds a dequantized copy, and the memory-mapped file is their
     cache: no orbax cache is written) when the model runs in bfloat16, the native kernel's dtype;
     weights in other block types run dequantized, named in a warning. "strict" (--quantization
-    gguf): in any dtype, refusing other block types (stored_blocks). "none": everything loaded."""
+    gguf): in any dtype, refusing other block types (stored_blocks). "none": everything loaded.
+    native_bf16: whether bfloat16 runs fast here, for --dtype auto (resolve_dtype)."""
     start = time.perf_counter()
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -257,7 +260,7 @@ def load_model(
         cached = orbax_cache.entry_dir(cache_dir, source.fingerprint())
     hf_config = orbax_cache.read_config(cached) if cached is not None else None
     cfg = decoder_config_from_hf(hf_config or source.config)
-    jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform)
+    jdtype = resolve_dtype(dtype, cfg.dtype, jax.devices()[0].platform, native_bf16)
     if sharding_for is not None:
         sharding = sharding_for(cfg)
     weights_dir = cached / jnp.dtype(jdtype).name if cached is not None else None

@@ -26,6 +26,6 @@ def test_times_a_product(dtype, impl):
         from pallas_kernels import cpu_matmul as kernel
 
         if not kernel.available():
-            pytest.skip("needs AVX512-BF16")
+            pytest.skip(f"needs a C++ compiler and a CPU with {kernel.NEEDS}")
     ms = cpu_matmul.time_product(dtype, 2, 576, 1536, repeats=1, impl=impl)
     assert 0.0 < ms < 1000.0

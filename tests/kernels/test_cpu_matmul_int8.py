@@ -15,10 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_tiers import NO_KERNEL, PRODUCT_TIERS
 
 from pallas_kernels import cpu_matmul
 
-needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+# Each test of the kernel runs in every build this machine has (kernel_tiers: AVX512-BF16, AVX2).
+each_tier = pytest.mark.parametrize("tier", PRODUCT_TIERS)
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason=NO_KERNEL)
 
 
 def _bf16(rng, *shape):
@@ -51,7 +54,7 @@ def _check(got, x, q, scale):
     assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
 
 
-_matmul = jax.jit(cpu_matmul.matmul_int8, static_argnums=3)
+_matmul = jax.jit(cpu_matmul.matmul_int8, static_argnums=(3, 4))
 
 
 def test_quantize_exact_on_a_hand_made_weight():
@@ -110,42 +113,42 @@ K_VALUES = [1, 31, 64, 577]
 N_VALUES = [1, 31, 32, 33, 95, 1536]
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("k", K_VALUES)
-def test_products_match_float64_sums(m, k):
+def test_products_match_float64_sums(m, k, tier):
     rng = np.random.default_rng(m * 1000 + k)
     x = _bf16(rng, m, k)
     for n in N_VALUES:
         packed, scale, q = _quantized(rng, k, n)
-        assert cpu_matmul.uses_kernel_int8(x, packed)
-        got = _matmul(x, packed, scale, n)
+        assert cpu_matmul.uses_kernel_int8(x, packed, tier)
+        got = _matmul(x, packed, scale, n, tier)
         assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
         _check(got, x, q, scale)
 
 
-@needs_kernel
-def test_prefill_rows():
+@each_tier
+def test_prefill_rows(tier):
     """Hundreds of rows: many passes over each strip from the kept pairs."""
     rng = np.random.default_rng(11)
     x = _bf16(rng, 203, 130)
     packed, scale, q = _quantized(rng, 130, 70)
-    _check(_matmul(x, packed, scale, 70), x, q, scale)
+    _check(_matmul(x, packed, scale, 70, tier), x, q, scale)
 
 
-@needs_kernel
-def test_leading_dims_are_rows():
+@each_tier
+def test_leading_dims_are_rows(tier):
     rng = np.random.default_rng(7)
     x = _bf16(rng, 2, 3, 96)
     packed, scale, q = _quantized(rng, 96, 40)
-    got = cpu_matmul.matmul_int8(x, packed, scale, 40)
+    got = cpu_matmul.matmul_int8(x, packed, scale, 40, tier)
     assert got.shape == (2, 3, 40) and got.dtype == jnp.bfloat16
     _check(got.reshape(6, 40), x.reshape(6, 96), q, scale)
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("m", [1, 13])  # one pass; two, the second from the kept pairs
-def test_padding_bytes_are_never_read_into_outputs(m):
+def test_padding_bytes_are_never_read_into_outputs(m, tier):
     """Garbage in the last strip's padding columns (as no pack() makes, but a buffer reused could
     hold) leaves the N valid outputs exact and finite: the kernel reads only N scales and stores
     only N columns."""
@@ -156,20 +159,21 @@ def test_padding_bytes_are_never_read_into_outputs(m):
     garbage = jnp.asarray(rng.integers(-128, 128, (k, 32 - n % 32)), jnp.int8)
     poisoned = packed.at[-1, :, n % 32:].set(garbage)
     assert np.asarray(poisoned[-1, :, n % 32:]).any()
-    got = _matmul(x, poisoned, scale, n)
+    got = _matmul(x, poisoned, scale, n, tier)
     _check(got, x, q, scale)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(_matmul(x, packed, scale, n), np.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(_matmul(x, packed, scale, n, tier), np.float32))
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (13, 577, 95), (25, 64, 33)])
-def test_xla_fallback_agrees_with_the_kernel(m, k, n):
+def test_xla_fallback_agrees_with_the_kernel(m, k, n, tier):
     """The fallback (no kernel, or x not bfloat16) rounds the same float32 sums once: both within
     the bound of the exact sum, so within twice it of each other."""
     rng = np.random.default_rng(m + k + n)
     x = _bf16(rng, m, k)
     packed, scale, q = _quantized(rng, k, n)
-    kernel = _matmul(x, packed, scale, n)
+    kernel = _matmul(x, packed, scale, n, tier)
     xla = jax.jit(cpu_matmul._matmul_int8_xla, static_argnums=3)(x, packed, scale, n)
     _check(kernel, x, q, scale)
     _check(xla, x, q, scale)

@@ -1,5 +1,6 @@
 """The native CPU product kernel (`pallas_kernels/cpu_matmul.cc`) against float64 sums of the same
-bfloat16 inputs (the decoder and the engine on it: tests/engine/test_matmul_backend.py).
+bfloat16 inputs (the decoder and the engine on it: tests/engine/test_matmul_backend.py), in every
+build this machine runs (kernel_tiers: AVX512-BF16 and AVX2).
 
 The kernel adds float32 products in its own order and rounds once to bfloat16, so each output must
 lie within one bfloat16 rounding (2^-8 relative) plus float32 summation error of the exact sum; a
@@ -12,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_tiers import PRODUCT_TIERS
 
 from pallas_kernels import cpu_matmul
-
-pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
 
 
 def _bf16(rng, *shape):
@@ -44,12 +44,13 @@ SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (12, 64, 6
           (16, 576, 192), (17, 31, 33), (25, 64, 96), (32, 576, 576), (5, 7, 1), (64, 96, 40), (203, 130, 70)]
 
 
+@pytest.mark.parametrize("tier", PRODUCT_TIERS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_products_match_float64_sums(m, k, n):
+def test_products_match_float64_sums(m, k, n, tier):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = _bf16(rng, m, k), _bf16(rng, k, n)
-    assert cpu_matmul.uses_kernel(x, _packed(w))
-    got = jax.jit(cpu_matmul.matmul, static_argnums=2)(x, _packed(w), n)
+    assert cpu_matmul.uses_kernel(x, _packed(w), tier)
+    got = jax.jit(cpu_matmul.matmul, static_argnums=(2, 3))(x, _packed(w), n, tier)
     assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
     _check(got, x, w)
 
@@ -66,12 +67,13 @@ def test_pack_layout():
     np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed, 70)), np.asarray(w))
 
 
-def test_leading_dims_are_rows():
+@pytest.mark.parametrize("tier", PRODUCT_TIERS)
+def test_leading_dims_are_rows(tier):
     """x [..., K] with several leading dims: they are flattened into rows and restored."""
     rng = np.random.default_rng(7)
     m, k, n = 6, 96, 64
     x, w = _bf16(rng, 2, 3, k), _bf16(rng, k, n)
-    got = cpu_matmul.matmul(x, _packed(w), n)
+    got = cpu_matmul.matmul(x, _packed(w), n, tier)
     assert got.shape == (2, 3, n)
     _check(got.reshape(m, n), x.reshape(m, k), w)
 
@@ -85,11 +87,12 @@ def test_what_the_kernel_does_not_cover_goes_to_xla():
                                   np.asarray(x32 @ w32))
 
 
-def test_edges_and_bad_shapes():
+@pytest.mark.parametrize("tier", PRODUCT_TIERS)
+def test_edges_and_bad_shapes(tier):
     """K = 0 (zeros), and shapes that do not fit together (refused while tracing)."""
     rng = np.random.default_rng(5)
-    empty = jax.jit(cpu_matmul.matmul, static_argnums=2)(jnp.zeros((3, 0), jnp.bfloat16),
-                                                         cpu_matmul.pack(jnp.zeros((0, 5), jnp.bfloat16)), 5)
+    empty = jax.jit(cpu_matmul.matmul, static_argnums=(2, 3))(jnp.zeros((3, 0), jnp.bfloat16),
+                                                              cpu_matmul.pack(jnp.zeros((0, 5), jnp.bfloat16)), 5, tier)
     np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((3, 5)))
     w = _bf16(rng, 16, 8)
     x = _bf16(rng, 4, 16)

@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_tiers import BLOCK_TIERS, NO_KERNEL
 
 from jaxserve.models import products
 from jaxserve.weights import gguf_file
 from pallas_kernels import cpu_qmatmul as Q
 
-needs_kernel = pytest.mark.skipif(not Q.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler")
+needs_kernel = pytest.mark.skipif(not Q.available(), reason=NO_KERNEL)
+# Each test of the kernel runs in every build this machine has (kernel_tiers: AVX512-BF16, AVX2).
+each_tier = pytest.mark.parametrize("tier", BLOCK_TIERS)
 
 
 def _weight(rng, k, n):
@@ -43,9 +46,9 @@ def _packed(q, d, mn):
     return (Q.pack_q4(q) if mn is not None else Q.pack_q8(q)), Q.pack_scales(d, mn)
 
 
-def _product(x, packed, scales, n, bits):
+def _product(x, packed, scales, n, bits, tier="native"):
     f = Q.matmul_q4 if bits == 4 else Q.matmul_q8
-    return jax.jit(f, static_argnums=3)(x, packed, scales, n)
+    return jax.jit(f, static_argnums=(3, 4))(x, packed, scales, n, tier)
 
 
 def _check(got, x, q, d, mn, weight_rounding=0.0):
@@ -126,36 +129,36 @@ K_GROUPS = [(32, 32), (64, 32), (576, 32), (128, 64), (256, 128), (48, 16)]
 N_VALUES = [1, 31, 32, 33, 95, 1536]
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("k,group", K_GROUPS)
-def test_products_match_float64_sums(bits, m, k, group):
+def test_products_match_float64_sums(bits, m, k, group, tier):
     rng = np.random.default_rng(m * 1000 + k + bits)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     for n in N_VALUES:
         q, d, mn = _blocks(rng, k, n, group, bits)
         packed, scales = _packed(q, d, mn)
-        got = _product(x, packed, scales, n, bits)
+        got = _product(x, packed, scales, n, bits, tier)
         assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
         _check(got, x, q, d, mn)
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("bits", [4, 8])
-def test_prefill_rows_and_leading_dims(bits):
+def test_prefill_rows_and_leading_dims(bits, tier):
     rng = np.random.default_rng(11)
     x = jnp.asarray(rng.standard_normal((3, 67, 128)), jnp.bfloat16)
     q, d, mn = _blocks(rng, 128, 70, 32, bits)
-    got = _product(x, *_packed(q, d, mn), 70, bits)
+    got = _product(x, *_packed(q, d, mn), 70, bits, tier)
     assert got.shape == (3, 67, 70)
     _check(got.reshape(-1, 70), x.reshape(-1, 128), q, d, mn)
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 13])  # one pass; several, the later ones from the kept pairs
-def test_nan_poisoned_padding_never_reaches_outputs(bits, m):
+def test_nan_poisoned_padding_never_reaches_outputs(bits, m, tier):
     """NaN scales and minima and all-ones values in the last strip's padding columns (no pack makes
     them, a reused buffer could hold them) leave the N valid outputs exact and finite."""
     rng = np.random.default_rng(5)
@@ -173,9 +176,10 @@ def test_nan_poisoned_padding_never_reaches_outputs(bits, m):
         poisoned = packed.at[-1].set(packed[-1] | jnp.asarray(lanes))
     else:
         poisoned = packed.at[-1, :, pad:].set(jnp.int8(-128))
-    got = _product(x, poisoned, poisoned_scales, n, bits)
+    got = _product(x, poisoned, poisoned_scales, n, bits, tier)
     _check(got, x, q, d, mn)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(_product(x, packed, scales, n, bits), np.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(_product(x, packed, scales, n, bits, tier), np.float32))
 
 
 @needs_kernel
@@ -256,10 +260,10 @@ def test_gguf_k_quant_blocks_decode_exactly(type_name, size):
     np.testing.assert_array_equal(back, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
 
 
-@needs_kernel
+@each_tier
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 16)])
 @pytest.mark.parametrize("m", [1, 7, 13])
-def test_float32_scales(bits, group, m):
+def test_float32_scales(bits, group, m, tier):
     """The K-quants' float32 scales (and minima): the same bound as float16 ones."""
     rng = np.random.default_rng(m + bits)
     x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
@@ -269,4 +273,4 @@ def test_float32_scales(bits, group, m):
         mn = None if mn is None else mn.astype(jnp.float32) * jnp.float32(1 - 2**-13)
         packed, scales = _packed(q, d, mn)
         assert scales.dtype == jnp.float32
-        _check(_product(x, packed, scales, n, bits), x, q, d, mn)
+        _check(_product(x, packed, scales, n, bits, tier), x, q, d, mn)

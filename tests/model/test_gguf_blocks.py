@@ -92,7 +92,8 @@ def test_k_quant_blocks_are_the_dequantized_model(tmp_path_factory, qtype, bits)
         np.testing.assert_allclose(native, ref, atol=0.03 * np.abs(ref).max(), rtol=0)
 
 
-@pytest.mark.skipif(not cpu_qmatmul.available(), reason="needs the native kernel (AVX512-BF16)")
+@pytest.mark.skipif(not cpu_qmatmul.available(),
+                    reason="needs the native kernel (a C++ compiler; AVX512-BF16, or AVX2 with FMA)")
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_native_kernel_serves_the_blocks(tiny_llama, tmp_path, qtype):
     """bfloat16 activations through the native kernel on the kept blocks: the float32 reference's

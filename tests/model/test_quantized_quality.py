@@ -96,7 +96,7 @@ def test_native_int8_products_match_xla(model_and_tokens):
     from pallas_kernels import cpu_matmul
 
     if not cpu_matmul.available():
-        pytest.skip("the native CPU kernel needs AVX512-BF16")
+        pytest.skip("needs the native CPU kernel (a C++ compiler; AVX512-BF16, or AVX2 with FMA)")
     model, tokens = model_and_tokens
     xla = _logits(_placed(model, "xla", "int8"), tokens[:64])
     native = _logits(_placed(model, "cpu", "int8"), tokens[:64])

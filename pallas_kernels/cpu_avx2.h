@@ -1,0 +1,378 @@
+// The products of cpu_matmul.cc and cpu_qmatmul.cc for x86 CPUs without AVX512-BF16 but with AVX2,
+// FMA and F16C (x86-64-v3: Intel since Haswell, AMD since Zen 1): the same FFI targets, the same
+// packed layouts and the same results, computed with float32 fused multiply-adds. native.py hashes
+// this header with each kernel's source, so editing it rebuilds both.
+//
+// Why: without a native product a decode step runs XLA:CPU's float32 dot over float32 weights, so
+// one token streams 4 bytes per weight (SmolLM2: 540 MB); these read the stored bytes, 2 (bf16),
+// 1 (int8, Q8) or ~0.56 (Q4 with its scales) per weight, and widen them to float32 in registers.
+//
+// How: each strip of 32 columns is taken as two halves of 16 (two ymm of float32 per row). Per row
+// of the weight, the 16
+// values of a half are widened to float32 exactly (bf16: a shift; int8: sign extension and a
+// convert; Q4: the row's nibbles picked out of its row pair's 32 bytes, then widened), and every
+// row of the pass adds x[m, k] * w[k, :] into its group partial sum with one FMA per 8 columns. At
+// the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
+// x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
+// weight is one group of K rows. One or two rows widen the values as they go; more take the half
+// strip widened once (K x 64 bytes, in L1/L2), four rows at a time (`strips`).
+//
+// Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
+// different order than XLA's dot), scales are applied once per group in float32, and the output is
+// rounded to bfloat16 to nearest even once: the same contract as the AVX512 kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_parallel.h"
+
+namespace jaxserve::avx2 {
+
+constexpr int kStrip = 32;  // columns per strip of a packed weight
+constexpr int kHalf = 16;   // columns per half strip: two ymm of float32
+
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32, exact
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+inline __m256 s8x8(__m128i v) {  // the low 8 int8 of v -> 8 float32, exact
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+
+inline __m256 u16x8(__m128i v) {  // 8 uint16 -> 8 float32, exact
+  return _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(v));
+}
+
+// 8 float32 -> 8 bfloat16, rounded to nearest even as XLA's convert does (NaN stays a quiet NaN,
+// overflow rounds to infinity, subnormals are kept).
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {  // 16 float16 -> float32
+  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+// ---- the stored forms of a strip: row k's 16 values of half h, widened to float32 ------------
+
+// Each gives rows k and k + 1 (`pair`, k even) and a last odd row (`row`) of half h of its strip.
+struct Bf16Rows {  // [S, K, 32] bfloat16
+  static constexpr int64_t kRowBytes = 64;
+  const uint16_t* w;  // the strip
+  void row(int64_t k, int h, __m256& lo, __m256& hi) const {
+    const uint16_t* p = w + k * kStrip + h * kHalf;
+    lo = bf16x8(p);
+    hi = bf16x8(p + 8);
+  }
+  void pair(int64_t k, int h, __m256 (&v)[4]) const {
+    row(k, h, v[0], v[1]);
+    row(k + 1, h, v[2], v[3]);
+  }
+};
+
+struct Int8Rows {  // [S, K, 32] int8 (cpu_matmul's int8 weights, GGUF Q8_0 / Q6_K values)
+  static constexpr int64_t kRowBytes = 32;
+  const int8_t* w;
+  void row(int64_t k, int h, __m256& lo, __m256& hi) const {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kStrip + h * kHalf));
+    lo = s8x8(v);
+    hi = s8x8(_mm_srli_si128(v, 8));
+  }
+  void pair(int64_t k, int h, __m256 (&v)[4]) const {
+    row(k, h, v[0], v[1]);
+    row(k + 1, h, v[2], v[3]);
+  }
+};
+
+struct Q4Pairs {  // [S, K / 2, 32] bytes: byte j of pair p = q[2p + j % 2][j / 2] | q[2p + j % 2][16 + j / 2] << 4
+  static constexpr int64_t kRowBytes = 16;
+  const uint8_t* w;
+  // The pair's 32 bytes as 16-bit lanes hold, in lane c, row k's byte (low) and row k + 1's (high)
+  // of column c of both halves; the half's nibble is the low (h = 0) or the high one.
+  void pair(int64_t k, int h, __m256 (&v)[4]) const {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2) * kStrip));
+    const __m256i nibbles = _mm256_srli_epi16(bytes, 4 * h);
+    const __m256i q0 = _mm256_and_si256(nibbles, _mm256_set1_epi16(15));
+    const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(nibbles, 8), _mm256_set1_epi16(15));
+    v[0] = u16x8(_mm256_castsi256_si128(q0));
+    v[1] = u16x8(_mm256_extracti128_si256(q0, 1));
+    v[2] = u16x8(_mm256_castsi256_si128(q1));
+    v[3] = u16x8(_mm256_extracti128_si256(q1, 1));
+  }
+  void row(int64_t k, int h, __m256& lo, __m256& hi) const {  // never reached: 4-bit K is even
+    __m256 v[4];
+    pair(k & ~int64_t{1}, h, v);
+    lo = (k & 1) ? v[2] : v[0];
+    hi = (k & 1) ? v[3] : v[1];
+  }
+};
+
+// ---- the product ---------------------------------------------------------------------------------
+
+// out[M, N] = x[M, K] @ W, W in strips of the stored form `Rows`, in groups of `group` rows along K,
+// each group of each column scaled by d (and shifted by mn), both [S, K / G, R, 32] of type S; or,
+// without groups (scales == nullptr), one group of K rows scaled per column by col_scale [N] (or 1).
+struct Problem {
+  const float* x;          // [M, K] float32 (the caller widens bf16 x once)
+  const float* xsum;       // [M, K / G]: x summed over each group, for mn (nullptr without)
+  const uint8_t* w;        // the packed weight
+  const void* scales;      // [S, K / G, R, 32] float16 or float32, or nullptr
+  const float* col_scale;  // [N] or nullptr
+  uint16_t* out;           // [M, N] bfloat16
+  int64_t m, k, n, group;
+  int scale_rows;          // R: 1 (d) or 2 (d, mn)
+};
+
+// Rows a pass that widens the stored values takes (at most 2: each keeps four chains of partial
+// sums, 4 ymm, beside the weight's 4 and the broadcasts), and rows per pass over widened values
+// (one chain of 2 ymm per row: 8 accumulators, the weight's 2 and the broadcasts).
+constexpr int kFusedRows = 2;
+constexpr int kPassRows = 6;
+
+// This thread's room for a half strip's widened values (K x 16 float32).
+inline float* kept_values(int64_t k) {
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(k) * kHalf + 16;
+  if (scratch.size() < need) scratch.resize(need);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
+}
+
+// Where a pass gets row k's widened values: from the stored strip (and, with keep, written to it for
+// the next passes), or from what the first pass kept.
+template <typename Rows>
+struct Widen {
+  Rows rows;
+  int h;
+  float* keep;
+  void pair(int64_t k, __m256 (&v)[4]) const {
+    rows.pair(k, h, v);
+    if (keep != nullptr)
+      for (int i = 0; i < 4; ++i) _mm256_store_ps(keep + k * kHalf + 8 * i, v[i]);
+  }
+  void row(int64_t k, __m256& lo, __m256& hi) const {
+    rows.row(k, h, lo, hi);
+    if (keep != nullptr) {
+      _mm256_store_ps(keep + k * kHalf, lo);
+      _mm256_store_ps(keep + k * kHalf + 8, hi);
+    }
+  }
+};
+struct Kept {
+  const float* kept;
+  void pair(int64_t k, __m256 (&v)[4]) const {
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(kept + k * kHalf + 8 * i);
+  }
+  void row(int64_t k, __m256& lo, __m256& hi) const {
+    lo = _mm256_load_ps(kept + k * kHalf);
+    hi = _mm256_load_ps(kept + k * kHalf + 8);
+  }
+};
+
+// Rows [m0, m0 + MB) x half h of strip s: sums over K, scaled per group, rounded into out.
+template <int MB, typename S, typename Source>
+void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& src) {
+  const int64_t groups = p.scales != nullptr ? p.k / p.group : 1;
+  const int64_t group = p.scales != nullptr ? p.group : p.k;
+  const float* x = p.x + m0 * p.k;
+  __m256 tlo[MB], thi[MB];  // running totals
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) tlo[m] = thi[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 plo[MB], phi[MB];  // this group's partial sums
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) plo[m] = phi[m] = _mm256_setzero_ps();
+    const int64_t end = (g + 1) * group;
+    int64_t k = g * group;
+    if constexpr (MB <= 2) {
+      // Rows k and k + 1 go to sums of their own: a row's FMAs then form four independent chains,
+      // not two (an FMA waits ~4 cycles for the last), and the pair is what Q4 stores.
+      __m256 qlo[MB], qhi[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) qlo[m] = qhi[m] = _mm256_setzero_ps();
+      for (; k + 1 < end; k += 2) {
+        __m256 w[4];
+        src.pair(k, w);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          const __m256 a0 = _mm256_broadcast_ss(x + m * p.k + k), a1 = _mm256_broadcast_ss(x + m * p.k + k + 1);
+          plo[m] = _mm256_fmadd_ps(a0, w[0], plo[m]);
+          phi[m] = _mm256_fmadd_ps(a0, w[1], phi[m]);
+          qlo[m] = _mm256_fmadd_ps(a1, w[2], qlo[m]);
+          qhi[m] = _mm256_fmadd_ps(a1, w[3], qhi[m]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) plo[m] = _mm256_add_ps(plo[m], qlo[m]), phi[m] = _mm256_add_ps(phi[m], qhi[m]);
+    }
+    // Three or four rows already keep 6-8 chains; and an odd K's last row.
+    for (; k < end; ++k) {
+      __m256 wlo, whi;
+      src.row(k, wlo, whi);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m256 a = _mm256_broadcast_ss(x + m * p.k + k);
+        plo[m] = _mm256_fmadd_ps(a, wlo, plo[m]);
+        phi[m] = _mm256_fmadd_ps(a, whi, phi[m]);
+      }
+    }
+    if (p.scales == nullptr) {
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) tlo[m] = plo[m], thi[m] = phi[m];
+      break;
+    }
+    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip + h * kHalf;
+    __m256 d0, d1;
+    load16(gs, d0, d1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      tlo[m] = _mm256_fmadd_ps(plo[m], d0, tlo[m]);
+      thi[m] = _mm256_fmadd_ps(phi[m], d1, thi[m]);
+    }
+    if (p.scale_rows == 2) {
+      __m256 n0, n1;
+      load16(gs + kStrip, n0, n1);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xs = _mm256_set1_ps(p.xsum[(m0 + m) * groups + g]);
+        tlo[m] = _mm256_fmadd_ps(xs, n0, tlo[m]);
+        thi[m] = _mm256_fmadd_ps(xs, n1, thi[m]);
+      }
+    }
+  }
+  const int64_t n0 = s * kStrip + h * kHalf;
+  const int64_t cols = std::min<int64_t>(kHalf, p.n - n0);
+  __m256 c0 = _mm256_set1_ps(1.0f), c1 = c0;
+  if (p.col_scale != nullptr) {
+    alignas(32) float scale[kHalf] = {};
+    std::memcpy(scale, p.col_scale + n0, sizeof(float) * cols);  // [N]: not padded
+    c0 = _mm256_load_ps(scale);
+    c1 = _mm256_load_ps(scale + 8);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    const __m256i o = _mm256_set_m128i(to_bf16x8(_mm256_mul_ps(thi[m], c1)), to_bf16x8(_mm256_mul_ps(tlo[m], c0)));
+    uint16_t* dst = p.out + (m0 + m) * p.n + n0;
+    if (cols == kHalf) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), o);
+    } else {
+      alignas(32) uint16_t tmp[kHalf];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), o);
+      std::memcpy(dst, tmp, sizeof(uint16_t) * cols);
+    }
+  }
+}
+
+template <typename S, typename Source>
+void half_strip_rows(const Problem& p, int64_t s, int h, int64_t m0, int64_t rows, const Source& src) {
+  switch (rows) {
+    case 1: half_strip<1, S>(p, s, h, m0, src); break;
+    case 2: half_strip<2, S>(p, s, h, m0, src); break;
+    case 3: half_strip<3, S>(p, s, h, m0, src); break;
+    case 4: half_strip<4, S>(p, s, h, m0, src); break;
+    case 5: half_strip<5, S>(p, s, h, m0, src); break;
+    default: half_strip<6, S>(p, s, h, m0, src); break;
+  }
+}
+
+// Half strip h's stored rows widened into keep (K x 16 float32) for the passes over it.
+template <typename Rows>
+void widen_half_strip(const Rows& stored, int h, int64_t k, float* keep) {
+  const Widen<Rows> widen{stored, h, keep};
+  int64_t i = 0;
+  for (; i + 1 < k; i += 2) {
+    __m256 v[4];
+    widen.pair(i, v);
+  }
+  if (i < k) {
+    __m256 lo, hi;
+    widen.row(i, lo, hi);
+  }
+}
+
+// Strips [s0, s1), every row. One or two rows: one pass per half strip, widening the stored values
+// as it goes. More: the half strip is widened once into this thread's scratch (K x 64 bytes, in
+// L1/L2) and the rows run over it four at a time (8 accumulators: the FMA units' fill, and half
+// the scratch reads per FMA of two-row passes).
+template <typename Rows, typename S>
+void strips(const Problem& p, int64_t s0, int64_t s1) {
+  float* keep = p.m > kFusedRows ? kept_values(p.k) : nullptr;
+  const int64_t strip_bytes = p.k * Rows::kRowBytes;
+  for (int64_t s = s0; s < s1; ++s) {
+    const Rows stored{reinterpret_cast<decltype(Rows::w)>(p.w + s * strip_bytes)};
+    for (int h = 0; h < 2; ++h) {
+      if (s * kStrip + h * kHalf >= p.n) break;  // the last strip's padding half
+      if (keep == nullptr) {
+        half_strip_rows<S>(p, s, h, 0, p.m, Widen<Rows>{stored, h, nullptr});
+        continue;
+      }
+      widen_half_strip(stored, h, p.k, keep);
+      for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows)
+        half_strip_rows<S>(p, s, h, m0, std::min<int64_t>(kPassRows, p.m - m0), Kept{keep});
+    }
+  }
+}
+
+// x [M, K] bfloat16 -> float32; and, for a weight with minima, x summed over each group of G rows.
+inline void widen_x(const uint16_t* x, int64_t m, int64_t k, float* out) {
+  const int64_t total = m * k;
+  int64_t i = 0;
+  for (; i + 8 <= total; i += 8) _mm256_storeu_ps(out + i, bf16x8(x + i));
+  for (; i < total; ++i) out[i] = bf16_to_float(x[i]);
+}
+
+inline void group_sums(const float* x, int64_t m, int64_t k, int64_t group, float* out) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / group; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < group; ++i) sum += x[r * k + g * group + i];
+      out[r * (k / group) + g] = sum;
+    }
+}
+
+// The whole product over XLA's thread pool, tasks of whole strips (cpu_matmul.cc's sizing: about
+// 8 tasks per thread, at least ~64 KB of weight each). x is bfloat16 [M, K].
+template <typename Rows, typename S, typename Pool>
+void product(Problem p, const uint16_t* x_bf16, Pool& pool) {
+  std::vector<float> xf(static_cast<size_t>(p.m * p.k)), xsum;
+  widen_x(x_bf16, p.m, p.k, xf.data());
+  p.x = xf.data();
+  if (p.scales != nullptr && p.scale_rows == 2) {
+    xsum.resize(static_cast<size_t>(p.m * (p.k / p.group)));
+    group_sums(p.x, p.m, p.k, p.group, xsum.data());
+    p.xsum = xsum.data();
+  }
+  const int64_t strips_total = (p.n + kStrip - 1) / kStrip;
+  const int64_t strip_bytes = p.k * Rows::kRowBytes;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunk = std::max<int64_t>(std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(strip_bytes, 1)),
+                                          strips_total / (8 * threads));
+  jaxserve::parallel_for(pool, (strips_total + chunk - 1) / chunk, [p, chunk, strips_total](int64_t i) {
+    strips<Rows, S>(p, i * chunk, std::min(strips_total, (i + 1) * chunk));
+  });
+}
+
+}  // namespace jaxserve::avx2
