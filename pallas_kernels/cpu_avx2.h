@@ -8,14 +8,13 @@
 // 1 (int8, Q8) or ~0.56 (Q4 with its scales) per weight, and widen them to float32 in registers.
 //
 // How: each strip of 32 columns is taken as two halves of 16 (two ymm of float32 per row). Per row
-// of the weight, the 16
-// values of a half are widened to float32 exactly (bf16: a shift; int8: sign extension and a
+// of the weight, the 16 values of a half are widened to float32 exactly (bf16: a shift; int8: sign extension and a
 // convert; Q4: the row's nibbles picked out of its row pair's 32 bytes, then widened), and every
 // row of the pass adds x[m, k] * w[k, :] into its group partial sum with one FMA per 8 columns. At
 // the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
 // x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
 // weight is one group of K rows. One or two rows widen the values as they go; more take the half
-// strip widened once (K x 64 bytes, in L1/L2), four rows at a time (`strips`).
+// strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
 //
 // Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
 // different order than XLA's dot), scales are applied once per group in float32, and the output is
@@ -149,7 +148,7 @@ struct Problem {
 
 // Rows a pass that widens the stored values takes (at most 2: each keeps four chains of partial
 // sums, 4 ymm, beside the weight's 4 and the broadcasts), and rows per pass over widened values
-// (one chain of 2 ymm per row: 8 accumulators, the weight's 2 and the broadcasts).
+// (one chain of 2 ymm per row: 12 accumulators for six, the weight's 2 and the broadcasts).
 constexpr int kFusedRows = 2;
 constexpr int kPassRows = 6;
 
@@ -161,25 +160,14 @@ inline float* kept_values(int64_t k) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
 }
 
-// Where a pass gets row k's widened values: from the stored strip (and, with keep, written to it for
-// the next passes), or from what the first pass kept.
+// Where a pass gets row k's widened values: from the stored strip, or from the half strip widened
+// once into scratch (`widen_half_strip`).
 template <typename Rows>
 struct Widen {
   Rows rows;
   int h;
-  float* keep;
-  void pair(int64_t k, __m256 (&v)[4]) const {
-    rows.pair(k, h, v);
-    if (keep != nullptr)
-      for (int i = 0; i < 4; ++i) _mm256_store_ps(keep + k * kHalf + 8 * i, v[i]);
-  }
-  void row(int64_t k, __m256& lo, __m256& hi) const {
-    rows.row(k, h, lo, hi);
-    if (keep != nullptr) {
-      _mm256_store_ps(keep + k * kHalf, lo);
-      _mm256_store_ps(keep + k * kHalf + 8, hi);
-    }
-  }
+  void pair(int64_t k, __m256 (&v)[4]) const { rows.pair(k, h, v); }
+  void row(int64_t k, __m256& lo, __m256& hi) const { rows.row(k, h, lo, hi); }
 };
 struct Kept {
   const float* kept;
@@ -228,7 +216,7 @@ void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& sr
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) plo[m] = _mm256_add_ps(plo[m], qlo[m]), phi[m] = _mm256_add_ps(phi[m], qhi[m]);
     }
-    // Three or four rows already keep 6-8 chains; and an odd K's last row.
+    // Three to six rows already keep 6-12 chains; and an odd K's last row.
     for (; k < end; ++k) {
       __m256 wlo, whi;
       src.row(k, wlo, whi);
@@ -298,25 +286,28 @@ void half_strip_rows(const Problem& p, int64_t s, int h, int64_t m0, int64_t row
   }
 }
 
-// Half strip h's stored rows widened into keep (K x 16 float32) for the passes over it.
+// Half strip h's stored rows widened into keep (K x 16 float32, the layout Kept reads) for the
+// passes over it.
 template <typename Rows>
 void widen_half_strip(const Rows& stored, int h, int64_t k, float* keep) {
-  const Widen<Rows> widen{stored, h, keep};
   int64_t i = 0;
   for (; i + 1 < k; i += 2) {
     __m256 v[4];
-    widen.pair(i, v);
+    stored.pair(i, h, v);
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(keep + i * kHalf + 8 * j, v[j]);
   }
   if (i < k) {
     __m256 lo, hi;
-    widen.row(i, lo, hi);
+    stored.row(i, h, lo, hi);
+    _mm256_store_ps(keep + i * kHalf, lo);
+    _mm256_store_ps(keep + i * kHalf + 8, hi);
   }
 }
 
 // Strips [s0, s1), every row. One or two rows: one pass per half strip, widening the stored values
 // as it goes. More: the half strip is widened once into this thread's scratch (K x 64 bytes, in
-// L1/L2) and the rows run over it four at a time (8 accumulators: the FMA units' fill, and half
-// the scratch reads per FMA of two-row passes).
+// L1/L2) and the rows run over it six at a time (12 accumulators: the FMA units' fill, and a third
+// of the scratch reads per FMA of two-row passes).
 template <typename Rows, typename S>
 void strips(const Problem& p, int64_t s0, int64_t s1) {
   float* keep = p.m > kFusedRows ? kept_values(p.k) : nullptr;
@@ -326,7 +317,7 @@ void strips(const Problem& p, int64_t s0, int64_t s1) {
     for (int h = 0; h < 2; ++h) {
       if (s * kStrip + h * kHalf >= p.n) break;  // the last strip's padding half
       if (keep == nullptr) {
-        half_strip_rows<S>(p, s, h, 0, p.m, Widen<Rows>{stored, h, nullptr});
+        half_strip_rows<S>(p, s, h, 0, p.m, Widen<Rows>{stored, h});
         continue;
       }
       widen_half_strip(stored, h, p.k, keep);

@@ -60,9 +60,10 @@ struct ProblemInt8 {
   int64_t m, k, n;
 };
 
+constexpr int kStrip = 32;  // columns per strip of the packed weight: one cache line of bf16
+
 #if JAXSERVE_BF16_DOT
 
-constexpr int kStrip = 32;        // columns per strip of the packed weight: one cache line of bf16
 constexpr int kRowsPerPass = 12;  // query rows per pass over a strip: 2 x 12 accumulators + temporaries fit 32 zmm
 constexpr int kPrefetchRows = 8;  // weight rows fetched ahead of the loads
 
@@ -361,14 +362,14 @@ ffi::Error strip_shapes(const char* what, ffi::AnyBuffer& x, ffi::AnyBuffer& w, 
                         int64_t& m, int64_t& k, int64_t& n) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const std::string name(what);
-  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != 32)
+  if (xd.size() < 1 || od.size() < 1 || wd.size() != 3 || wd[2] != kStrip)
     return ffi::Error::InvalidArgument(name + ": the weight must be packed in strips, [ceil(N / 32), K, 32]");
   k = xd[xd.size() - 1];
   n = od[od.size() - 1];
   m = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) m *= xd[i];
   if (wd[1] != k) return ffi::Error::InvalidArgument(name + ": x and the weight disagree on K");
-  if (wd[0] != (n + 31) / 32 || static_cast<int64_t>(out->element_count()) != m * n)
+  if (wd[0] != (n + kStrip - 1) / kStrip || static_cast<int64_t>(out->element_count()) != m * n)
     return ffi::Error::InvalidArgument(name + ": the output must be [..., N] for the weight's strips");
   return ffi::Error::Success();
 }
@@ -380,7 +381,6 @@ bool nothing_to_multiply(int64_t m, int64_t k, int64_t n, uint16_t* out) {
   std::memset(out, 0, sizeof(uint16_t) * m * n);
   return true;
 }
-
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
 #if JAXSERVE_BF16_DOT

@@ -303,19 +303,20 @@ ffi::Error Product(const char* what, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi
   return ffi::Error::Success();
 }
 #elif JAXSERVE_AVX2
-// The same products on AVX2 + FMA (cpu_avx2.h): Rows is the strip's stored form.
-template <typename Rows>
-ffi::Error Product(const char* what, int64_t pair_bytes, int scale_rows, ffi::ThreadPool pool, ffi::AnyBuffer x,
-                   ffi::AnyBuffer w, ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> out) {
+// The same products on AVX2 + FMA (cpu_avx2.h): Rows is the strip's stored form (a row pair is two
+// of its rows), ScaleRows the scale rows per group (2: d and mn; 1: d).
+template <typename Rows, int ScaleRows>
+ffi::Error Product(const char* what, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                   ffi::Result<ffi::AnyBuffer> out) {
   QProblem q;
-  if (ffi::Error e = problem(what, pair_bytes, scale_rows, x, w, scales, out, q); e.failure()) return e;
+  if (ffi::Error e = problem(what, 2 * Rows::kRowBytes, ScaleRows, x, w, scales, out, q); e.failure()) return e;
   if (q.m == 0 || q.n == 0) return ffi::Error::Success();
   jaxserve::avx2::Problem p{};
   p.w = q.w;
   p.scales = q.scales;
   p.out = q.out;
   p.m = q.m, p.k = q.k, p.n = q.n, p.group = q.group;
-  p.scale_rows = scale_rows;
+  p.scale_rows = ScaleRows;
   if (scales.element_type() == ffi::DataType::F32)
     jaxserve::avx2::product<Rows, float>(p, q.x, pool);
   else
@@ -330,7 +331,7 @@ ffi::Error MatmulQ4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 #if JAXSERVE_BF16_DOT
   return Product<Q4>("cpu q4 matmul", pool, x, w, s, out);
 #elif JAXSERVE_AVX2
-  return Product<jaxserve::avx2::Q4Pairs>("cpu q4 matmul", 32, 2, pool, x, w, s, out);
+  return Product<jaxserve::avx2::Q4Pairs, 2>("cpu q4 matmul", pool, x, w, s, out);
 #else
   return ffi::Error::Unimplemented("cpu q4 matmul: built without AVX512-BF16 or AVX2");
 #endif
@@ -341,7 +342,7 @@ ffi::Error MatmulQ8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 #if JAXSERVE_BF16_DOT
   return Product<Q8>("cpu q8 matmul", pool, x, w, s, out);
 #elif JAXSERVE_AVX2
-  return Product<jaxserve::avx2::Int8Rows>("cpu q8 matmul", 64, 1, pool, x, w, s, out);
+  return Product<jaxserve::avx2::Int8Rows, 1>("cpu q8 matmul", pool, x, w, s, out);
 #else
   return ffi::Error::Unimplemented("cpu q8 matmul: built without AVX512-BF16 or AVX2");
 #endif

@@ -445,11 +445,9 @@ def bfloat16_runs_fast(matmul_backend: str, tensor_parallel: int = 1, platform: 
     platform = platform or jax.default_backend()
     if platform != "cpu" or cpu_has_native_bf16():
         return True
-    if tensor_parallel > 1 or matmul_backend == "xla":
-        return False
-    from pallas_kernels import cpu_matmul
-
-    return cpu_matmul.available()
+    # Where auto would run a bfloat16 model's products on the kernel, cpu would too (it refuses
+    # the other cases at start-up); xla never does.
+    return matmul_backend != "xla" and resolve_backend("auto", jnp.bfloat16, platform, tensor_parallel) == "cpu"
 
 
 def keeps_gguf_blocks(matmul_backend: str, tensor_parallel: int = 1, platform: str | None = None) -> bool:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from toy_tokenizer import ToyTokenizer
 
-import benchmarks.serving_backends as serving_backends
+from benchmarks import serving_backends
 from benchmarks.serving_backends import RequestSpec, openai_chat, openai_completions, sglang_generate
 from benchmarks.serving_workloads import Prompt
 
