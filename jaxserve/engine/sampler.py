@@ -21,10 +21,11 @@ Decisions worth knowing:
   the same tokens whatever else is in the batch, and a request recomputed after preemption (same
   seed, same step numbers) resamples identically.
 - **Drawing** is Gumbel-max (argmax of logits + per-row Gumbel noise over the vocabulary). One
-  uniform against the CDF is cheaper (B numbers instead of B * V; ~8 ms at B=16, V=49k on 2 CPU
-  cores), but the CDF is a sum over the whole vocabulary, so the last-bit differences between
-  batch shapes moved the chosen token whenever the uniform landed in the long tail -- and "same
-  seed, same tokens, whatever else is in the batch" is a promise users test.
+  uniform against the CDF would need B random numbers instead of B * V, but the CDF is a sum over
+  the whole vocabulary, so the last-bit differences between batch shapes moved the chosen token
+  whenever the uniform landed in the long tail -- and "same seed, same tokens, whatever else is in
+  the batch" is a promise users test. What keeps the B * V numbers cheap: threefry runs once per
+  row, for the row's key, and each token's noise is its id hashed under that key.
 - **No sort**: top_k and top_p thresholds are found by a 32-step bisection over the logits' bit
   patterns (exact), because XLA's sort of a real vocabulary is the slowest thing a sampler can do on
   the CPU. Each filter runs only when some sampled row in the batch uses it.
@@ -305,12 +306,36 @@ def _draw_rows(scaled: Array, min_p: Array, top_k: Array, top_p: Array, is_rando
     return _gumbel_max(x, seed, step, fallback)
 
 
-def _row_gumbel(seed: Array, step: Array, vocab_size: int) -> Array:
+def _row_key(seed: Array, step: Array) -> Array:
     # One key per row, derived from nothing but the row's own seed and step: that is what makes a
     # draw independent of the batch it lands in and identical when a preempted request is redone.
     # Threefry is pinned because the "rbg" implementations give different bits under vmap.
     key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), step)
-    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _mix32(h: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit flips each
+    output bit with probability ~1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _gumbel_noise(seed: Array, step: Array, vocab_size: int) -> Array:
+    """[B, V] standard Gumbel noise: threefry gives each row a 64-bit key (B threefry calls, not
+    B * V), and each token's bits are its id hashed under that key (two finaliser rounds, the
+    second keyed by the key's other word so rows are not shifted copies of one sequence). Threefry
+    for every token cost 16 rows 11-16 ms of XLA:CPU time per step, the hash ~2 ms
+    (benchmarks/RESULTS.md). 24 bits per uniform, centred in its interval: u in [2^-25, 1 - 2^-25],
+    noise in [-2.85, 17.3], the range of a float32 uniform's Gumbel."""
+    words = jax.vmap(_row_key)(seed, step)  # [B, 2]
+    ids = jnp.arange(vocab_size, dtype=jnp.uint32)[None, :]
+    bits = _mix32(_mix32(ids ^ words[:, :1]) + words[:, 1:])
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return -jnp.log(-jnp.log(u))
 
 
 def _gumbel_max(x: Array, seed: Array, step: Array, fallback: Array) -> Array:
@@ -320,10 +345,13 @@ def _gumbel_max(x: Array, seed: Array, step: Array, fallback: Array) -> Array:
     logits differ in the last bits between batch shapes (XLA sums in a shape-dependent order), and
     a CDF over the whole vocabulary turns such differences into a different token whenever the
     uniform lands in the long tail; argmax only flips on a near-exact tie between the top two.
+
+    The perturbed logits are materialised once, then searched by _argmax's two reductions: fused
+    into jnp.argmax's (value, index) reduction, the noise ran in XLA:CPU's scalar reduction loop,
+    2-3x slower than computing it on its own.
     """
-    noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(seed, step, x.shape[-1])
-    token = jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(jnp.isfinite(jnp.max(x, axis=-1)), token, fallback)
+    perturbed = jax.lax.optimization_barrier(x + _gumbel_noise(seed, step, x.shape[-1]))
+    return jnp.where(jnp.isfinite(jnp.max(x, axis=-1)), _argmax(perturbed), fallback)
 
 
 def _apply_min_p(x: Array, min_p: Array) -> Array:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.stats import chi2
+from scipy.stats import chi2, gumbel_r, kstest
 
 from jaxserve.engine.request import MAX_TOP_LOGPROBS
 from jaxserve.engine.rows import MAX_BANNED_IDS, MAX_LOGIT_BIAS, RowParams
@@ -21,6 +21,7 @@ from jaxserve.engine.sampler import (
     SamplingBatch,
     _apply_top_k,
     _apply_top_p,
+    _gumbel_noise,
     _needs_more_than_argmax,
     make_sampling_batch,
     sample,
@@ -224,6 +225,25 @@ def test_seed_and_step_change_the_draw_and_replay_is_identical():
     assert tokens(5) == first  # a recomputed (preempted) request resamples identically
     assert tokens(6) != first
     assert tokens(5 + 2**32) == first  # seeds are reduced to 32 bits on the host
+
+
+def test_the_noise_is_gumbel_and_independent_across_tokens_seeds_and_steps():
+    """The draw's noise is a hash of the token id under the row's key, not threefry per token: its
+    values must still be standard Gumbel, and no two neighbours (tokens, seeds, steps) correlated."""
+    vocab = 4096
+    seeds = jnp.asarray(np.repeat(np.arange(8), 8), jnp.uint32)  # 8 seeds x 8 consecutive steps
+    steps = jnp.asarray(np.tile(np.arange(8), 8), jnp.int32)
+    noise = np.asarray(jax.jit(_gumbel_noise, static_argnums=2)(seeds, steps, vocab), np.float64)
+    assert noise.shape == (64, vocab) and np.isfinite(noise).all()
+    assert kstest(noise.ravel(), gumbel_r.cdf).pvalue > P_MIN
+    # Standard errors of a correlation over 4096 (or 63 x 4096) pairs: ~0.016 (~0.002).
+    assert abs(np.corrcoef(noise[:, :-1].ravel(), noise[:, 1:].ravel())[0, 1]) < 0.01  # token, token + 1
+    same_seed = noise.reshape(8, 8, vocab)
+    assert abs(np.corrcoef(same_seed[:, :-1].ravel(), same_seed[:, 1:].ravel())[0, 1]) < 0.01  # step, step + 1
+    assert abs(np.corrcoef(same_seed[:-1].ravel(), same_seed[1:].ravel())[0, 1]) < 0.01  # seed, seed + 1
+    # Uniform ranks in every row: the row's argmax lands anywhere (no token favoured).
+    winners = noise.argmax(-1)
+    assert len(set(winners.tolist())) > 60
 
 
 # ----------------------------------------------------------------------------------- distributions
