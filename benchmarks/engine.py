@@ -4,7 +4,7 @@
                                 [--input-len 128] [--output-len 128] [--no-hf] [--json out.json]
                                 [--load-format dummy] [--attention-backend auto]
                                 [--matmul-backend auto] [--layouts sharded unsharded]
-                                [--kv-cache-dtype auto fp8_e4m3]
+                                [--kv-cache-dtype auto fp8_e4m3] [--temperature 1.0]
 
 `--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
 tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
@@ -45,7 +45,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
                  load_format: str = "auto", attention_backend: str = "auto", matmul_backend: str = "auto",
                  sharded: bool = True, max_num_batched_tokens: int | None = None, overlap: bool = True,
-                 decode_steps: int = 1, kv_cache_dtype: str = "auto") -> dict:
+                 decode_steps: int = 1, kv_cache_dtype: str = "auto", temperature: float = 0.0) -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
@@ -69,7 +69,10 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
     )
     engine = build_engine(ready.loaded.model, ready.tokenizer, config, compile=False)
     compile_s = compile_engine(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # temperature > 0: every row draws (seeded, so runs are repeatable), as the OpenAI API's default
+    # of 1 makes most requests do; HF's baseline stays greedy.
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                            seed=1 if temperature > 0 else None)
     results = {}
     for c in concurrency:
         for round_ in ("warm-up", "timed"):
@@ -148,6 +151,8 @@ def main() -> None:
                    help="decode iterations per device step to compare (each its own run)")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=KV_CACHE_DTYPES,
                    help="the KV cache's dtype, as the server's flag; several run in turn")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="jaxserve's sampling temperature (0: greedy; > 0: every row draws, seeded)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:
@@ -176,7 +181,8 @@ def main() -> None:
                                                   attention_backend=args.attention_backend, matmul_backend=matmul,
                                                   sharded=layout == "sharded",
                                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                                  overlap=not args.no_overlap, decode_steps=k, kv_cache_dtype=kv)
+                                                  overlap=not args.no_overlap, decode_steps=k, kv_cache_dtype=kv,
+                                                  temperature=args.temperature)
                         gc.collect()  # one run's weights and KV cache must be gone before the next loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)
@@ -184,7 +190,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print(f"\nmodel {args.model} on {report['device']}, {args.input_len} in / {args.output_len} out, greedy")
+    print(f"\nmodel {args.model} on {report['device']}, {args.input_len} in / {args.output_len} out, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}")
     runs = [k for k in report["results"][args.dtype[0]] if k != "hf"]
     base = runs[-1]
     print(f"{'dtype':<9} {'run':<18} {'attention':<10} {'matmul':<6} {'conc':>4} {'tok/s':>9} {'step ms':>8} "
