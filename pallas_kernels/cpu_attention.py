@@ -43,16 +43,35 @@ DTYPES = (jnp.float32, jnp.bfloat16)  # of the queries and the output, and of a 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
+# Builds of the kernel, by name -> their -D flags, as for the products (cpu_matmul.TIERS): "native"
+# is what serving uses, the best code for this CPU; "avx2" is the AVX2 + FMA code even where
+# AVX512-BF16 exists (its own FFI target, suffixed "_avx2"), so that the tests run it there too.
+TIERS: dict[str, tuple[str, ...]] = {"native": (), "avx2": ("-DJAXSERVE_FORCE_AVX2",)}
+ISA_NAMES = {2: "AVX512-BF16", 1: "AVX2", 0: "generic"}  # JaxserveAttentionIsa() -> name
+
+
+def _target(tier: str) -> str:
+    if tier not in TIERS:
+        raise ValueError(f"kernel tier must be one of {', '.join(TIERS)}; got {tier!r}")
+    return TARGET if tier == "native" else f"{TARGET}_{tier}"
+
+
 @functools.cache
-def _register() -> None:
+def _register(tier: str = "native") -> None:
     """Build (or find) the kernel and register it with XLA once per process; raises BuildError."""
-    lib = native.load(SOURCE)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+    lib = native.load(SOURCE, TIERS[tier])
+    jax.ffi.register_ffi_target(_target(tier), jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
 
 
-def ensure_built() -> None:
+def ensure_built(tier: str = "native") -> None:
     """Build and register the kernel now; raises BuildError (with the compiler's message) if it can't."""
-    _register()
+    _register(tier)
+
+
+def isa(tier: str = "native") -> str:
+    """The code that build `tier` runs its tasks on here: "AVX512-BF16" (bfloat16 queries; float32
+    ones run the generic code), "AVX2" or "generic". Raises BuildError."""
+    return ISA_NAMES[native.load(SOURCE, TIERS[tier]).JaxserveAttentionIsa()]
 
 
 @functools.cache
@@ -82,11 +101,11 @@ def supports(head_dim: int, dtype: Any, q_dtype: Any = None) -> bool:
 
 def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array, cu_q_lens: jax.Array,
           kv_lens: jax.Array, num_seqs: Any, *, scale: float, softcap: float | None, window: Any,
-          layer: Any) -> jax.Array:
-    _register()
+          layer: Any, tier: str = "native") -> jax.Array:
+    _register(tier)
     k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    return jax.ffi.ffi_call(_target(tier), jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_pages, v_pages, i32(page_tables), i32(cu_q_lens), i32(kv_lens), i32(num_seqs).reshape(()),
         i32(layer).reshape(()), i32(window).reshape(()),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
@@ -105,14 +124,15 @@ def ragged_paged_attention_cpu(
     softcap: float | None = None,
     window: jax.Array | int = 0,
     layer: jax.Array | int | None = None,
+    tier: str = "native",
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """`ragged_paged_attention_reference`, computed by the native kernel (by the reference itself
-    for a head_dim or dtype the kernel does not cover)."""
+    for a head_dim or dtype the kernel does not cover); `tier` picks a build (TIERS) for tests."""
     if not supports(q.shape[-1], k_pages.dtype, q.dtype):
         return ragged_paged_attention_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                                                 scale=scale, softcap=softcap, window=window, layer=layer)
     return _call(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
-                 scale=scale, softcap=softcap, window=window, layer=layer)
+                 scale=scale, softcap=softcap, window=window, layer=layer, tier=tier)
 
 
 def paged_decode_attention_cpu(
@@ -126,6 +146,7 @@ def paged_decode_attention_cpu(
     softcap: float | None = None,
     window: jax.Array | int = 0,
     layer: jax.Array | int | None = None,
+    tier: str = "native",
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """`paged_decode_attention_reference`, computed by the native kernel: a ragged batch of one
     token per sequence (a length-0 row is padding and returns zeros)."""
@@ -135,4 +156,4 @@ def paged_decode_attention_cpu(
     batch = q.shape[0]
     cu = jnp.arange(batch + 1, dtype=jnp.int32)
     return _call(q, k_pages, v_pages, page_tables, cu, lengths, batch,
-                 scale=scale, softcap=softcap, window=window, layer=layer)
+                 scale=scale, softcap=softcap, window=window, layer=layer, tier=tier)

@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from kernel_tiers import ATTENTION_TIERS
 from paged_cases import FP8, make_cache, stack_layers, with_cache_dtype
 
 from pallas_kernels import cpu_attention, native, paged_decode_attention_reference, ragged_paged_attention_reference
 
 TOL = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+# The correctness tests run in every build of the kernel this machine has (kernel_tiers): on an
+# AVX512-BF16 machine the AVX2 code too.
+each_tier = pytest.mark.parametrize("tier", ATTENTION_TIERS)
 
 
 def paged(rng, kv_lens, *, page, dim, dtype, max_pages, kv_heads=3, layer=0, num_layers=1, cache_dtype=None):
@@ -37,29 +40,31 @@ def paged(rng, kv_lens, *, page, dim, dtype, max_pages, kv_heads=3, layer=0, num
 
 
 # bfloat16 head dims 16 / 48 end in a half 32-dim chunk of the AVX512-BF16 path (masked loads).
+@each_tier
 @pytest.mark.parametrize("dtype,dim,window,softcap", [
     ("bfloat16", 64, 0, None), ("float32", 64, 0, None), ("float32", 128, 37, None), ("bfloat16", 64, 20, 30.0),
     ("bfloat16", 128, 37, None), ("bfloat16", 48, 0, None), ("bfloat16", 16, 5, 20.0),
 ])
-def test_ragged_prefill_with_prefixes_equals_reference(dtype, dim, window, softcap):
+def test_ragged_prefill_with_prefixes_equals_reference(dtype, dim, window, softcap, tier):
     """Chunks of 40, 17, 1 and 5 new tokens after prefixes of 0, 30, 200 and 3 cached tokens (more
     than one 16-row block, one decode-like row), two padding sequences and padded rows at the end."""
-    check_ragged_prefill(dtype, dim, window, softcap)
+    check_ragged_prefill(dtype, dim, window, softcap, tier=tier)
 
 
 # Head dims, windows and softcaps under each 8-bit format and query dtype: on a CPU with AVX512-BF16,
 # bfloat16 queries take its path (the block's rows widened to bfloat16; half chunks for 16 / 48),
 # float32 queries the float32 one.
+@each_tier
 @pytest.mark.parametrize("dim,window,softcap", [(64, 0, None), (128, 37, None), (48, 20, 30.0), (16, 5, 20.0)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cache_dtype", list(FP8))
-def test_ragged_prefill_over_an_8bit_cache_equals_reference(cache_dtype, dtype, dim, window, softcap):
+def test_ragged_prefill_over_an_8bit_cache_equals_reference(cache_dtype, dtype, dim, window, softcap, tier):
     """The chunked prefill above over an 8-bit cache: the reference widens the same stored values to
     float32, so the kernel matches it at the query dtype's tolerance."""
-    check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=cache_dtype)
+    check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=cache_dtype, tier=tier)
 
 
-def check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=None):
+def check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=None, tier="native"):
     rng = np.random.default_rng(dim + window)
     kv_heads, group = 3, 3
     q_lens = [40, 17, 1, 5, 0, 0]
@@ -73,7 +78,7 @@ def check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=None):
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     args = (q, k, v, tables, jnp.asarray(cu), jnp.asarray(np.array(kv_lens, np.int32)), jnp.int32(num_seqs))
     kw = dict(scale=dim**-0.5, softcap=softcap, window=jnp.int32(window), layer=jnp.int32(1))
-    out = jax.jit(functools.partial(cpu_attention.ragged_paged_attention_cpu, **kw))(*args)
+    out = jax.jit(functools.partial(cpu_attention.ragged_paged_attention_cpu, **kw, tier=tier))(*args)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))(*args)
     assert out.dtype == q.dtype and out.shape == q.shape
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -82,9 +87,10 @@ def check_ragged_prefill(dtype, dim, window, softcap, cache_dtype=None):
     np.testing.assert_array_equal(out[cu[num_seqs]:], 0.0)
 
 
+@each_tier
 @pytest.mark.parametrize("cache_dtype", [None, *FP8])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_decode_at_serving_shape_equals_reference(dtype, cache_dtype):
+def test_decode_at_serving_shape_equals_reference(dtype, cache_dtype, tier):
     """16 sequences of 0 (padding) to 300 tokens, SmolLM2's heads (9 q, 3 kv, head_dim 64), page 16;
     the cache of the query dtype, or an 8-bit one."""
     rng = np.random.default_rng(7)
@@ -96,15 +102,36 @@ def test_decode_at_serving_shape_equals_reference(dtype, cache_dtype):
                              cache_dtype=cache_dtype)
         args = (q, k, v, tables, jnp.asarray(np.array(lengths, np.int32)))
         kw = dict(scale=0.125, layer=jnp.int32(layer))
-        out = np.asarray(jax.jit(functools.partial(cpu_attention.paged_decode_attention_cpu, **kw))(*args), np.float32)
+        out = np.asarray(jax.jit(functools.partial(cpu_attention.paged_decode_attention_cpu, **kw, tier=tier))(*args),
+                         np.float32)
         ref = np.asarray(jax.jit(functools.partial(paged_decode_attention_reference, **kw))(*args), np.float32)
         np.testing.assert_allclose(out, ref, **TOL[dtype])
         np.testing.assert_array_equal(out[0], 0.0)  # length 0: padding
 
 
+@each_tier
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_head_dim_equals_reference(dtype, tier):
+    """Every head_dim the kernel takes (cpu_attention.HEAD_DIMS; the AVX2 code updates an output
+    row 64 dims at a time, then the rest), decode rows over 1 to 40 keys with a window on some."""
+    rng = np.random.default_rng(11)
+    lengths = [1, 23, 40]
+    for dim in cpu_attention.HEAD_DIMS:
+        k, v, tables = paged(rng, lengths, page=16, dim=dim, dtype=dtype, max_pages=3, kv_heads=2)
+        q = jnp.asarray(rng.standard_normal((3, 4, dim)), dtype)
+        args = (q, k, v, tables, jnp.asarray(np.array(lengths, np.int32)))
+        for window in (0, 17):
+            kw = dict(scale=dim**-0.5, layer=0, window=window)
+            out = cpu_attention.paged_decode_attention_cpu(*args, **kw, tier=tier)
+            ref = paged_decode_attention_reference(*args, **kw)
+            np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[dtype],
+                                       err_msg=f"head_dim {dim}, window {window}")
+
+
+@each_tier
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cache_dtype", list(FP8))
-def test_8bit_cache_widens_every_value_exactly(cache_dtype, dtype):
+def test_8bit_cache_widens_every_value_exactly(cache_dtype, dtype, tier):
     """Every bit pattern of the format (subnormals, +-0, the largest values, e5m2's infinities, the
     NaNs) as the value of a one-key sequence: its softmax weight is exactly 1, so the output is the
     widened value itself (exact in bfloat16 too), which must equal ml_dtypes' widening. The page's
@@ -126,7 +153,7 @@ def test_8bit_cache_widens_every_value_exactly(cache_dtype, dtype):
     tables = jnp.asarray(pages[:, None])
     assert cpu_attention.supports(dim, fmt, dtype)
     out = cpu_attention.paged_decode_attention_cpu(q, jnp.asarray(k), jnp.asarray(v), tables,
-                                                   jnp.ones((n,), jnp.int32), scale=0.5)
+                                                   jnp.ones((n,), jnp.int32), scale=0.5, tier=tier)
     assert out.dtype == q.dtype
     # NaN where NaN. (-0.0 comes out as 0.0, as from the reference: the output is a sum from zero.)
     np.testing.assert_array_equal(np.asarray(out, np.float32)[:, 0], values.astype(np.float32))
@@ -186,7 +213,8 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
         native.compiler()
 
 
-def test_wide_logits_and_mixed_dtypes():
+@each_tier
+def test_wide_logits_and_mixed_dtypes(tier):
     """Logits spread over ~+-60 (the kernel's own exp across its whole range) in float32, and
     float32 queries over a bfloat16 cache (--dtype float32 --kv-cache-dtype bfloat16), which the
     kernel widens as it reads, keeping the queries in float32 as the reference does."""
@@ -195,14 +223,14 @@ def test_wide_logits_and_mixed_dtypes():
     k, v, tables = paged(rng, lengths, page=16, dim=32, dtype="float32", max_pages=4, kv_heads=2)
     q = jnp.asarray(rng.standard_normal((3, 4, 32)) * 3.0, jnp.float32)
     args = (q, k, v, tables, jnp.asarray(np.array(lengths, np.int32)))
-    out = cpu_attention.paged_decode_attention_cpu(*args, scale=1.0, layer=0)
+    out = cpu_attention.paged_decode_attention_cpu(*args, scale=1.0, layer=0, tier=tier)
     ref = paged_decode_attention_reference(*args, scale=1.0, layer=0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL["float32"])  # float32 rounding of |s| ~ 60
 
     k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     mixed = (q, k16, v16) + args[3:]
     assert cpu_attention.supports(32, jnp.bfloat16, jnp.float32)
-    out = cpu_attention.paged_decode_attention_cpu(*mixed, scale=1.0, layer=0)
+    out = cpu_attention.paged_decode_attention_cpu(*mixed, scale=1.0, layer=0, tier=tier)
     assert out.dtype == jnp.float32
     ref = paged_decode_attention_reference(*mixed, scale=1.0, layer=0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL["float32"])
