@@ -13,8 +13,9 @@
 // row of the pass adds x[m, k] * w[k, :] into its group partial sum with one FMA per 8 columns. At
 // the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
 // x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
-// weight is one group of K rows. One or two rows widen the values as they go; more take the half
-// strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
+// weight is one group of K rows. One or two rows widen the values as they go (one row of a Q4
+// weight takes both halves of a strip in one pass, `q4_one_row`); more take the half strip widened
+// once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
 //
 // Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
 // different order than XLA's dot), scales are applied once per group in float32, and the output is
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -304,12 +306,81 @@ void widen_half_strip(const Rows& stored, int h, int64_t k, float* keep) {
   }
 }
 
+// One row times strip s of a Q4 weight (Q4Pairs, groups of an even number of rows), both halves in
+// one pass: each 32-bit lane of a row pair's 32 bytes holds two columns' nibbles of both rows and
+// both halves, so eight shifts and masks give eight vectors of float32 (rows k, k + 1; even, odd
+// columns; low, high half) with no shuffles, into eight independent chains of FMAs (the two-row
+// `half_strip` pass keeps four, and an FMA waits ~4 cycles for the last). The even / odd columns
+// are put back in order once per group, before its scales. Sums in the same order as half_strip's.
+template <typename S>
+void q4_one_row(const Problem& p, int64_t s) {
+  const int64_t groups = p.k / p.group;
+  const uint8_t* w = p.w + s * p.k * Q4Pairs::kRowBytes;
+  const __m256i nib = _mm256_set1_epi32(15);
+  __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kHalf));
+      const __m256 x0 = _mm256_broadcast_ss(p.x + k), x1 = _mm256_broadcast_ss(p.x + k + 1);
+      const auto q = [&](int shift) { return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), nib)); };
+      a[0] = _mm256_fmadd_ps(x0, _mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), a[0]);  // row k, even columns, low half
+      a[1] = _mm256_fmadd_ps(x0, q(4), a[1]);                                        // row k, even, high half
+      a[2] = _mm256_fmadd_ps(x1, q(8), a[2]);                                        // row k + 1, even, low
+      a[3] = _mm256_fmadd_ps(x1, q(12), a[3]);
+      a[4] = _mm256_fmadd_ps(x0, q(16), a[4]);                                       // row k, odd, low
+      a[5] = _mm256_fmadd_ps(x0, q(20), a[5]);
+      a[6] = _mm256_fmadd_ps(x1, q(24), a[6]);
+      a[7] = _mm256_fmadd_ps(x1, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 28)), a[7]);
+    }
+    __m256 part[4];  // columns 0-7, 8-15, 16-23, 24-31
+    for (int h = 0; h < 2; ++h) {
+      const __m256 even = _mm256_add_ps(a[h], a[2 + h]), odd = _mm256_add_ps(a[4 + h], a[6 + h]);
+      const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // 0-3 | 8-11, 4-7 | 12-15
+      part[2 * h] = _mm256_permute2f128_ps(lo, hi, 0x20);
+      part[2 * h + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+    }
+    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip;
+    __m256 d[4];
+    load16(gs, d[0], d[1]);
+    load16(gs + kHalf, d[2], d[3]);
+    for (int i = 0; i < 4; ++i) t[i] = _mm256_fmadd_ps(part[i], d[i], t[i]);
+    if (p.scale_rows == 2) {
+      __m256 mn[4];
+      load16(gs + kStrip, mn[0], mn[1]);
+      load16(gs + kStrip + kHalf, mn[2], mn[3]);
+      const __m256 xs = _mm256_set1_ps(p.xsum[g]);
+      for (int i = 0; i < 4; ++i) t[i] = _mm256_fmadd_ps(xs, mn[i], t[i]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = s * kStrip + h * kHalf;
+    if (n0 >= p.n) break;  // the last strip's padding half
+    const int64_t cols = std::min<int64_t>(kHalf, p.n - n0);
+    const __m256i o = _mm256_set_m128i(to_bf16x8(t[2 * h + 1]), to_bf16x8(t[2 * h]));
+    if (cols == kHalf) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + n0), o);
+    } else {
+      alignas(32) uint16_t tmp[kHalf];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), o);
+      std::memcpy(p.out + n0, tmp, sizeof(uint16_t) * cols);
+    }
+  }
+}
+
 // Strips [s0, s1), every row. One or two rows: one pass per half strip, widening the stored values
 // as it goes. More: the half strip is widened once into this thread's scratch (K x 64 bytes, in
 // L1/L2) and the rows run over it six at a time (12 accumulators: the FMA units' fill, and a third
 // of the scratch reads per FMA of two-row passes).
 template <typename Rows, typename S>
 void strips(const Problem& p, int64_t s0, int64_t s1) {
+  if constexpr (std::is_same_v<Rows, Q4Pairs>) {
+    if (p.m == 1 && p.scales != nullptr && p.group % 2 == 0) {
+      for (int64_t s = s0; s < s1; ++s) q4_one_row<S>(p, s);
+      return;
+    }
+  }
   float* keep = p.m > kFusedRows ? kept_values(p.k) : nullptr;
   const int64_t strip_bytes = p.k * Rows::kRowBytes;
   for (int64_t s = s0; s < s1; ++s) {
