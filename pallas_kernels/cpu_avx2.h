@@ -13,9 +13,9 @@
 // row of the pass adds x[m, k] * w[k, :] into its group partial sum with one FMA per 8 columns. At
 // the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
 // x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
-// weight is one group of K rows. One or two rows widen the values as they go (one row of a Q4
-// weight takes both halves of a strip in one pass, `q4_one_row`); more take the half strip widened
-// once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
+// weight is one group of K rows. One or two rows widen the values as they go (one row of a Q4 or
+// int8 weight takes both halves of a strip in one pass: `q4_one_row`, `int8_one_row`); more take
+// the half strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
 //
 // Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
 // different order than XLA's dot), scales are applied once per group in float32, and the output is
@@ -182,6 +182,28 @@ struct Kept {
   }
 };
 
+// Row m's sums of the 16 columns from n0 (lo: n0..n0+7, hi: the next 8) into out: times the
+// per-column scale if any, rounded to bfloat16; columns past N (the last strip's padding) are not
+// written.
+inline void store_half(const Problem& p, int64_t m, int64_t n0, __m256 lo, __m256 hi) {
+  const int64_t cols = std::min<int64_t>(kHalf, p.n - n0);
+  if (p.col_scale != nullptr) {
+    alignas(32) float scale[kHalf] = {};
+    std::memcpy(scale, p.col_scale + n0, sizeof(float) * cols);  // [N]: not padded
+    lo = _mm256_mul_ps(lo, _mm256_load_ps(scale));
+    hi = _mm256_mul_ps(hi, _mm256_load_ps(scale + 8));
+  }
+  const __m256i o = _mm256_set_m128i(to_bf16x8(hi), to_bf16x8(lo));
+  uint16_t* dst = p.out + m * p.n + n0;
+  if (cols == kHalf) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), o);
+  } else {
+    alignas(32) uint16_t tmp[kHalf];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), o);
+    std::memcpy(dst, tmp, sizeof(uint16_t) * cols);
+  }
+}
+
 // Rows [m0, m0 + MB) x half h of strip s: sums over K, scaled per group, rounded into out.
 template <int MB, typename S, typename Source>
 void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& src) {
@@ -253,27 +275,8 @@ void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& sr
       }
     }
   }
-  const int64_t n0 = s * kStrip + h * kHalf;
-  const int64_t cols = std::min<int64_t>(kHalf, p.n - n0);
-  __m256 c0 = _mm256_set1_ps(1.0f), c1 = c0;
-  if (p.col_scale != nullptr) {
-    alignas(32) float scale[kHalf] = {};
-    std::memcpy(scale, p.col_scale + n0, sizeof(float) * cols);  // [N]: not padded
-    c0 = _mm256_load_ps(scale);
-    c1 = _mm256_load_ps(scale + 8);
-  }
 #pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m) {
-    const __m256i o = _mm256_set_m128i(to_bf16x8(_mm256_mul_ps(thi[m], c1)), to_bf16x8(_mm256_mul_ps(tlo[m], c0)));
-    uint16_t* dst = p.out + (m0 + m) * p.n + n0;
-    if (cols == kHalf) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), o);
-    } else {
-      alignas(32) uint16_t tmp[kHalf];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), o);
-      std::memcpy(dst, tmp, sizeof(uint16_t) * cols);
-    }
-  }
+  for (int m = 0; m < MB; ++m) store_half(p, m0 + m, s * kStrip + h * kHalf, tlo[m], thi[m]);
 }
 
 template <typename S, typename Source>
@@ -304,6 +307,30 @@ void widen_half_strip(const Rows& stored, int h, int64_t k, float* keep) {
     _mm256_store_ps(keep + i * kHalf, lo);
     _mm256_store_ps(keep + i * kHalf + 8, hi);
   }
+}
+
+// t += group g's 32 partial sums (columns in order) of strip s times the group's d, plus the row's
+// sum over the group times its minimum (scale_rows 2), as half_strip does per half.
+template <typename S>
+inline void add_scaled_group(const Problem& p, int64_t s, int64_t g, const __m256 (&part)[4], __m256 (&t)[4]) {
+  const S* gs = static_cast<const S*>(p.scales) + ((s * (p.k / p.group) + g) * p.scale_rows) * kStrip;
+  __m256 d[4];
+  load16(gs, d[0], d[1]);
+  load16(gs + kHalf, d[2], d[3]);
+  for (int c = 0; c < 4; ++c) t[c] = _mm256_fmadd_ps(part[c], d[c], t[c]);
+  if (p.scale_rows == 2) {
+    __m256 mn[4];
+    load16(gs + kStrip, mn[0], mn[1]);
+    load16(gs + kStrip + kHalf, mn[2], mn[3]);
+    const __m256 xs = _mm256_set1_ps(p.xsum[g]);
+    for (int c = 0; c < 4; ++c) t[c] = _mm256_fmadd_ps(xs, mn[c], t[c]);
+  }
+}
+
+// Strip s of a one-row product's output, its 32 sums t (columns in order); the last strip's
+// padding half is not written.
+inline void store_one_row(const Problem& p, int64_t s, const __m256 (&t)[4]) {
+  for (int h = 0; h < 2 && s * kStrip + h * kHalf < p.n; ++h) store_half(p, 0, s * kStrip + h * kHalf, t[2 * h], t[2 * h + 1]);
 }
 
 // One row times strip s of a Q4 weight (Q4Pairs, groups of an even number of rows), both halves in
@@ -341,32 +368,48 @@ void q4_one_row(const Problem& p, int64_t s) {
       part[2 * h] = _mm256_permute2f128_ps(lo, hi, 0x20);
       part[2 * h + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
     }
-    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip;
-    __m256 d[4];
-    load16(gs, d[0], d[1]);
-    load16(gs + kHalf, d[2], d[3]);
-    for (int i = 0; i < 4; ++i) t[i] = _mm256_fmadd_ps(part[i], d[i], t[i]);
-    if (p.scale_rows == 2) {
-      __m256 mn[4];
-      load16(gs + kStrip, mn[0], mn[1]);
-      load16(gs + kStrip + kHalf, mn[2], mn[3]);
-      const __m256 xs = _mm256_set1_ps(p.xsum[g]);
-      for (int i = 0; i < 4; ++i) t[i] = _mm256_fmadd_ps(xs, mn[i], t[i]);
-    }
+    add_scaled_group<S>(p, s, g, part, t);
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t n0 = s * kStrip + h * kHalf;
-    if (n0 >= p.n) break;  // the last strip's padding half
-    const int64_t cols = std::min<int64_t>(kHalf, p.n - n0);
-    const __m256i o = _mm256_set_m128i(to_bf16x8(t[2 * h + 1]), to_bf16x8(t[2 * h]));
-    if (cols == kHalf) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + n0), o);
-    } else {
-      alignas(32) uint16_t tmp[kHalf];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), o);
-      std::memcpy(p.out + n0, tmp, sizeof(uint16_t) * cols);
+  store_one_row(p, s, t);
+}
+
+// One row times strip s of an int8 weight (Int8Rows: GGUF Q8_0 / Q6_K values, cpu_matmul's int8),
+// both halves in one pass: two weight rows per step, each sign-extended straight from memory as
+// four vectors of eight columns, into eight independent chains of FMAs (the half-strip pass
+// re-reads the row for its second half and keeps four chains). Sums in half_strip's order.
+template <typename S>
+void int8_one_row(const Problem& p, int64_t s) {
+  const int64_t groups = p.scales != nullptr ? p.k / p.group : 1;
+  const int64_t group = p.scales != nullptr ? p.group : p.k;
+  const int8_t* w = reinterpret_cast<const int8_t*>(p.w) + s * p.k * kStrip;
+  const auto row = [&](int64_t k, int c) {  // columns 8c..8c+7 of row k, as float32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kStrip + 8 * c))));
+  };
+  __m256 t[4];
+  for (int c = 0; c < 4; ++c) t[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
+    const int64_t end = (g + 1) * group;
+    int64_t k = g * group;
+    for (; k + 1 < end; k += 2) {
+      const __m256 x0 = _mm256_broadcast_ss(p.x + k), x1 = _mm256_broadcast_ss(p.x + k + 1);
+      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(x0, row(k, c), a[c]);
+      for (int c = 0; c < 4; ++c) a[4 + c] = _mm256_fmadd_ps(x1, row(k + 1, c), a[4 + c]);
     }
+    if (k < end) {  // an odd group's last row
+      const __m256 x0 = _mm256_broadcast_ss(p.x + k);
+      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(x0, row(k, c), a[c]);
+    }
+    __m256 part[4];
+    for (int c = 0; c < 4; ++c) part[c] = _mm256_add_ps(a[c], a[4 + c]);
+    if (p.scales == nullptr) {
+      for (int c = 0; c < 4; ++c) t[c] = part[c];
+      break;
+    }
+    add_scaled_group<S>(p, s, g, part, t);
   }
+  store_one_row(p, s, t);
 }
 
 // Strips [s0, s1), every row. One or two rows: one pass per half strip, widening the stored values
@@ -378,6 +421,12 @@ void strips(const Problem& p, int64_t s0, int64_t s1) {
   if constexpr (std::is_same_v<Rows, Q4Pairs>) {
     if (p.m == 1 && p.scales != nullptr && p.group % 2 == 0) {
       for (int64_t s = s0; s < s1; ++s) q4_one_row<S>(p, s);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<Rows, Int8Rows>) {
+    if (p.m == 1) {
+      for (int64_t s = s0; s < s1; ++s) int8_one_row<S>(p, s);
       return;
     }
   }
