@@ -13,9 +13,9 @@
 // row of the pass adds x[m, k] * w[k, :] into its group partial sum with one FMA per 8 columns. At
 // the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
 // x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
-// weight is one group of K rows. One or two rows widen the values as they go (one row of a Q4 or
-// int8 weight takes both halves of a strip in one pass: `q4_one_row`, `int8_one_row`); more take
-// the half strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
+// weight is one group of K rows. One or two rows widen the values as they go (one row takes both
+// halves of a strip in one pass: `q4_one_row`, `int8_one_row`, `bf16_one_row`); more take the half
+// strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
 //
 // Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
 // different order than XLA's dot), scales are applied once per group in float32, and the output is
@@ -333,6 +333,13 @@ inline void store_one_row(const Problem& p, int64_t s, const __m256 (&t)[4]) {
   for (int h = 0; h < 2 && s * kStrip + h * kHalf < p.n; ++h) store_half(p, 0, s * kStrip + h * kHalf, t[2 * h], t[2 * h + 1]);
 }
 
+// A half strip's sums held as its even and its odd columns -> columns 0-7 and 8-15.
+inline void in_order(__m256 even, __m256 odd, __m256& first, __m256& second) {
+  const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // 0-3 | 8-11, 4-7 | 12-15
+  first = _mm256_permute2f128_ps(lo, hi, 0x20);
+  second = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+
 // One row times strip s of a Q4 weight (Q4Pairs, groups of an even number of rows), both halves in
 // one pass: each 32-bit lane of a row pair's 32 bytes holds two columns' nibbles of both rows and
 // both halves, so eight shifts and masks give eight vectors of float32 (rows k, k + 1; even, odd
@@ -362,29 +369,22 @@ void q4_one_row(const Problem& p, int64_t s) {
       a[7] = _mm256_fmadd_ps(x1, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 28)), a[7]);
     }
     __m256 part[4];  // columns 0-7, 8-15, 16-23, 24-31
-    for (int h = 0; h < 2; ++h) {
-      const __m256 even = _mm256_add_ps(a[h], a[2 + h]), odd = _mm256_add_ps(a[4 + h], a[6 + h]);
-      const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);  // 0-3 | 8-11, 4-7 | 12-15
-      part[2 * h] = _mm256_permute2f128_ps(lo, hi, 0x20);
-      part[2 * h + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
-    }
+    for (int h = 0; h < 2; ++h)
+      in_order(_mm256_add_ps(a[h], a[2 + h]), _mm256_add_ps(a[4 + h], a[6 + h]), part[2 * h], part[2 * h + 1]);
     add_scaled_group<S>(p, s, g, part, t);
   }
   store_one_row(p, s, t);
 }
 
-// One row times strip s of an int8 weight (Int8Rows: GGUF Q8_0 / Q6_K values, cpu_matmul's int8),
-// both halves in one pass: two weight rows per step, each sign-extended straight from memory as
-// four vectors of eight columns, into eight independent chains of FMAs (the half-strip pass
-// re-reads the row for its second half and keeps four chains). Sums in half_strip's order.
-template <typename S>
-void int8_one_row(const Problem& p, int64_t s) {
+// The group loop of a one-row pass over strip s: `add_row(k, x, a)` adds x times weight row k of
+// the strip into four accumulators a[0..3], both halves at once; consecutive rows alternate between
+// two sets of four (eight independent chains of FMAs: an FMA waits ~4 cycles for the last, and the
+// half-strip pass keeps four), summed at the group's end, where `in_columns(sum, part)` turns the
+// four sums into columns 0-7, 8-15, 16-23, 24-31. Sums in half_strip's order.
+template <typename S, typename AddRow, typename InColumns>
+void one_row(const Problem& p, int64_t s, AddRow add_row, InColumns in_columns) {
   const int64_t groups = p.scales != nullptr ? p.k / p.group : 1;
   const int64_t group = p.scales != nullptr ? p.group : p.k;
-  const int8_t* w = reinterpret_cast<const int8_t*>(p.w) + s * p.k * kStrip;
-  const auto row = [&](int64_t k, int c) {  // columns 8c..8c+7 of row k, as float32
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kStrip + 8 * c))));
-  };
   __m256 t[4];
   for (int c = 0; c < 4; ++c) t[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -393,16 +393,13 @@ void int8_one_row(const Problem& p, int64_t s) {
     const int64_t end = (g + 1) * group;
     int64_t k = g * group;
     for (; k + 1 < end; k += 2) {
-      const __m256 x0 = _mm256_broadcast_ss(p.x + k), x1 = _mm256_broadcast_ss(p.x + k + 1);
-      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(x0, row(k, c), a[c]);
-      for (int c = 0; c < 4; ++c) a[4 + c] = _mm256_fmadd_ps(x1, row(k + 1, c), a[4 + c]);
+      add_row(k, _mm256_broadcast_ss(p.x + k), a);
+      add_row(k + 1, _mm256_broadcast_ss(p.x + k + 1), a + 4);
     }
-    if (k < end) {  // an odd group's last row
-      const __m256 x0 = _mm256_broadcast_ss(p.x + k);
-      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(x0, row(k, c), a[c]);
-    }
-    __m256 part[4];
-    for (int c = 0; c < 4; ++c) part[c] = _mm256_add_ps(a[c], a[4 + c]);
+    if (k < end) add_row(k, _mm256_broadcast_ss(p.x + k), a);  // an odd group's last row
+    __m256 sum[4], part[4];
+    for (int c = 0; c < 4; ++c) sum[c] = _mm256_add_ps(a[c], a[4 + c]);
+    in_columns(sum, part);
     if (p.scales == nullptr) {
       for (int c = 0; c < 4; ++c) t[c] = part[c];
       break;
@@ -410,6 +407,43 @@ void int8_one_row(const Problem& p, int64_t s) {
     add_scaled_group<S>(p, s, g, part, t);
   }
   store_one_row(p, s, t);
+}
+
+// One row times strip s of a bfloat16 weight (Bf16Rows). Each 32-bit lane of a weight row holds
+// two columns' bfloat16: shifted left it is the even column's float32, masked the odd one's (no
+// shuffles). Accumulators: half h's even (2 h) and odd (2 h + 1) columns.
+template <typename S>
+void bf16_one_row(const Problem& p, int64_t s) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(p.w) + s * p.k * kStrip;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto add_row = [&](int64_t k, __m256 x, __m256* a) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kStrip + h * kHalf));
+      a[2 * h] = _mm256_fmadd_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), a[2 * h]);
+      a[2 * h + 1] = _mm256_fmadd_ps(x, _mm256_castsi256_ps(_mm256_and_si256(v, high)), a[2 * h + 1]);
+    }
+  };
+  one_row<S>(p, s, add_row, [](const __m256 (&sum)[4], __m256 (&part)[4]) {
+    in_order(sum[0], sum[1], part[0], part[1]);
+    in_order(sum[2], sum[3], part[2], part[3]);
+  });
+}
+
+// One row times strip s of an int8 weight (Int8Rows: GGUF Q8_0 / Q6_K values, cpu_matmul's int8):
+// each weight row sign-extended straight from memory as four vectors of eight columns (the
+// half-strip pass re-reads the row for its second half, through a shuffle more).
+template <typename S>
+void int8_one_row(const Problem& p, int64_t s) {
+  const int8_t* w = reinterpret_cast<const int8_t*>(p.w) + s * p.k * kStrip;
+  const auto add_row = [&](int64_t k, __m256 x, __m256* a) {
+    for (int c = 0; c < 4; ++c) {  // columns 8c..8c+7
+      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k * kStrip + 8 * c));
+      a[c] = _mm256_fmadd_ps(x, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), a[c]);
+    }
+  };
+  one_row<S>(p, s, add_row, [](const __m256 (&sum)[4], __m256 (&part)[4]) {
+    for (int c = 0; c < 4; ++c) part[c] = sum[c];
+  });
 }
 
 // Strips [s0, s1), every row. One or two rows: one pass per half strip, widening the stored values
@@ -427,6 +461,12 @@ void strips(const Problem& p, int64_t s0, int64_t s1) {
   if constexpr (std::is_same_v<Rows, Int8Rows>) {
     if (p.m == 1) {
       for (int64_t s = s0; s < s1; ++s) int8_one_row<S>(p, s);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<Rows, Bf16Rows>) {
+    if (p.m == 1) {
+      for (int64_t s = s0; s < s1; ++s) bf16_one_row<S>(p, s);
       return;
     }
   }

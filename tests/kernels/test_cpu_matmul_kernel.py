@@ -37,10 +37,10 @@ def _packed(w):
     return jax.jit(cpu_matmul.pack)(w)
 
 
-# Rows: 1 (a decode step of one sequence), counts around the 12-row pass, and prefill sizes (the
-# kernel takes every row count). K and N: multiples of the 32-wide strips, odd K (the last row pairs
+# Rows: 1 (a decode step of one sequence: a pass of its own, also over an odd K), counts around the
+# 12-row pass, and prefill sizes (the kernel takes every row count). K and N: multiples of the 32-wide strips, odd K (the last row pairs
 # with zeros) and N not a multiple of 32 (a padded last strip, stored masked).
-SHAPES = [(1, 576, 1536), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (12, 64, 64), (13, 96, 32),
+SHAPES = [(1, 576, 1536), (1, 577, 100), (3, 64, 96), (8, 1536, 576), (9, 577, 100), (12, 64, 64), (13, 96, 32),
           (16, 576, 192), (17, 31, 33), (25, 64, 96), (32, 576, 576), (5, 7, 1), (64, 96, 40), (203, 130, 70)]
 
 
