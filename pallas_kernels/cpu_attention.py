@@ -27,6 +27,7 @@ import numpy as np
 
 from pallas_kernels import native
 from pallas_kernels._common import stacked_cache
+from pallas_kernels.cpu_matmul import TIERS, target_name
 from pallas_kernels.native import BuildError
 from pallas_kernels.paged_attention import paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -43,24 +44,17 @@ DTYPES = (jnp.float32, jnp.bfloat16)  # of the queries and the output, and of a 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-# Builds of the kernel, by name -> their -D flags, as for the products (cpu_matmul.TIERS): "native"
-# is what serving uses, the best code for this CPU; "avx2" is the AVX2 + FMA code even where
-# AVX512-BF16 exists (its own FFI target, suffixed "_avx2"), so that the tests run it there too.
-TIERS: dict[str, tuple[str, ...]] = {"native": (), "avx2": ("-DJAXSERVE_FORCE_AVX2",)}
+# The kernel's builds are the products' (cpu_matmul.TIERS): "native" is what serving uses, the best
+# code for this CPU; "avx2" is the AVX2 + FMA code even where AVX512-BF16 exists (its own FFI
+# target, suffixed "_avx2"), so that the tests run it there too.
 ISA_NAMES = {2: "AVX512-BF16", 1: "AVX2", 0: "generic"}  # JaxserveAttentionIsa() -> name
-
-
-def _target(tier: str) -> str:
-    if tier not in TIERS:
-        raise ValueError(f"kernel tier must be one of {', '.join(TIERS)}; got {tier!r}")
-    return TARGET if tier == "native" else f"{TARGET}_{tier}"
 
 
 @functools.cache
 def _register(tier: str = "native") -> None:
     """Build (or find) the kernel and register it with XLA once per process; raises BuildError."""
     lib = native.load(SOURCE, TIERS[tier])
-    jax.ffi.register_ffi_target(_target(tier), jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(target_name(TARGET, tier), jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
 
 
 def ensure_built(tier: str = "native") -> None:
@@ -105,7 +99,7 @@ def _call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax
     _register(tier)
     k_pages, v_pages, layer = stacked_cache(k_pages, v_pages, layer)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return jax.ffi.ffi_call(_target(tier), jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    return jax.ffi.ffi_call(target_name(TARGET, tier), jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_pages, v_pages, i32(page_tables), i32(cu_q_lens), i32(kv_lens), i32(num_seqs).reshape(()),
         i32(layer).reshape(()), i32(window).reshape(()),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
@@ -127,7 +121,8 @@ def ragged_paged_attention_cpu(
     tier: str = "native",
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """`ragged_paged_attention_reference`, computed by the native kernel (by the reference itself
-    for a head_dim or dtype the kernel does not cover); `tier` picks a build (TIERS) for tests."""
+    for a head_dim or dtype the kernel does not cover); `tier` picks a build (cpu_matmul.TIERS),
+    for tests."""
     if not supports(q.shape[-1], k_pages.dtype, q.dtype):
         return ragged_paged_attention_reference(q, k_pages, v_pages, page_tables, cu_q_lens, kv_lens, num_seqs,
                                                 scale=scale, softcap=softcap, window=window, layer=layer)
