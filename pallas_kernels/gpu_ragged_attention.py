@@ -92,10 +92,27 @@ def _ragged_kernel(
     o_ref[...] = online_softmax_result(acc, l).astype(o_ref.dtype)
 
 
-def gpu_q_block(total_tokens: int, max_seqs: int, heads: int) -> int:
-    """Rows per item: the reference's choice, raised so a dot has >= 16 rows, capped at 128 rows."""
+# A program holds its float32 accumulator [rows, head_dim], its logits [rows, keys] and its q in
+# registers. Compiled for sm_90, 4 warps spill them to local memory (160-1,500 bytes a thread,
+# loaded and stored in the key loop) once the accumulator holds 8,192 values, at every head shape
+# tried; 8 warps (two warpgroups) hold up to 128 rows and 16,384 values without a spill, and 256
+# rows spill again, at head_dim 64 (tests/gpu_lowering compiles these to a cubin on the CPU).
+MAX_ROWS = 128
+MAX_TILE = 128 * 128
+WIDE_TILE = 64 * 128
+
+
+def gpu_q_block(total_tokens: int, max_seqs: int, heads: int, head_dim: int = 128) -> int:
+    """Rows per item: the reference's choice, raised so a dot has >= 16 rows, capped so the
+    accumulator tile (rows x head_dim) stays within MAX_ROWS and MAX_TILE (64 rows at head_dim 256)."""
     tq = max(default_q_block(total_tokens, max_seqs), -(-MIN_DOT_ROWS // heads))
-    return max(1, min(tq, max(1, 128 // heads)))
+    max_rows = max(MIN_DOT_ROWS, min(MAX_ROWS, MAX_TILE // head_dim))
+    return max(1, min(tq, max(1, max_rows // heads)))
+
+
+def gpu_num_warps(rows: int, head_dim: int) -> int:
+    """Warps per program: 8 once the accumulator tile reaches WIDE_TILE (4 would spill it), else 4."""
+    return 8 if rows * head_dim >= WIDE_TILE else 4
 
 
 def _ragged_triton(
@@ -113,7 +130,7 @@ def _ragged_triton(
     layer: jax.Array,
     q_block: int | None,
     pages_per_block: int | None,
-    num_warps: int,
+    num_warps: int | None,
     num_stages: int,
     interpret: bool,
 ) -> jax.Array:
@@ -122,7 +139,7 @@ def _ragged_triton(
     max_seqs, max_pages = page_tables.shape
     group = q_heads // kv_heads
     heads = _next_pow2(group)
-    tq = _next_pow2(q_block or gpu_q_block(total, max_seqs, heads))
+    tq = _next_pow2(q_block or gpu_q_block(total, max_seqs, heads, head_dim))
     w = plan_work_items(cu_q_lens, kv_lens, num_seqs, total_tokens=total, q_block=tq)
     num_items = w.seq.shape[0]
 
@@ -159,7 +176,7 @@ def _ragged_triton(
         ],
         out_specs=pl.BlockSpec((None, None, tq * heads, head_dim), lambda i, h: (h, i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((kv_heads, num_items, tq * heads, head_dim), q.dtype),
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=_triton_params(num_warps or gpu_num_warps(tq * heads, head_dim), num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
     )(meta, scalars, item_pages, qg, k_pages, v_pages)

@@ -42,7 +42,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from pallas_kernels import get_decode_attention, get_ragged_attention, write_kv
 from pallas_kernels.gpu_paged_attention import default_splits, pages_per_block_for
-from pallas_kernels.gpu_ragged_attention import _next_pow2, gpu_q_block
+from pallas_kernels.gpu_ragged_attention import MAX_ROWS, _next_pow2, gpu_q_block
 from pallas_kernels.ragged_paged_attention import max_work_items
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -63,6 +63,9 @@ class Model(NamedTuple):
 
 
 MODELS = {"llama3-8b": Model(32, 32, 8, 128), "llama3-70b": Model(80, 64, 8, 128)}
+# Other head shapes for the register check: SmolLM2-135M (head_dim 64, 3 q heads per kv head) and
+# Gemma2-9B (head_dim 256, 2 q heads per kv head), two layers of each.
+HEAD_SHAPES = {"smollm2": Model(2, 9, 3, 64), "gemma2-9b": Model(2, 16, 8, 256)}
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 
@@ -240,8 +243,9 @@ def test_ragged_kernel_lowers_for_cuda(model_name, page_size):
     [call] = triton_calls(lowered)
     assert call.name == "jaxserve_ragged_paged_attention"
     heads = _next_pow2(model.q_heads // model.kv_heads)
-    q_block = _next_pow2(gpu_q_block(PREFILL_TOKENS, PREFILL_SEQS, heads))
+    q_block = _next_pow2(gpu_q_block(PREFILL_TOKENS, PREFILL_SEQS, heads, model.head_dim))
     assert call.grid == (max_work_items(PREFILL_TOKENS, PREFILL_SEQS, q_block), model.kv_heads, 1)
+    assert q_block * heads == MAX_ROWS and call.num_warps == 8  # 128 rows on two warpgroups
     check_cache_goes_whole_to_the_kernel(lowered, (1, 2))
     check_ttir(call)
 
@@ -342,10 +346,6 @@ def test_step_lowers_for_cuda_with_the_cache_donated():
 
 # --- the Triton IR compiled for sm_90 on the CPU (triton package's pipeline: a proxy for XLA's) ---
 
-# Known: 128 query rows (q_block * heads) with 4 warps need more than 255 registers per thread for
-# the float32 accumulator and logits, so ptxas spills; 8 warps do not (to be decided on an H100).
-KNOWN_SPILLS = {"ragged-llama3-8b", "ragged-llama3-70b"}
-
 COMPILE_CASES = {
     "decode-split-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]), decode_args(MODELS["llama3-8b"], 16, 1)),
     "decode-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]), decode_args(MODELS["llama3-8b"], 16, 64)),
@@ -353,6 +353,7 @@ COMPILE_CASES = {
     "ragged-llama3-70b": lambda: (ragged_fn(MODELS["llama3-70b"]), ragged_args(MODELS["llama3-70b"], 16)),
     "decode-fp8-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]),
                                      twice_the_pages(decode_args(MODELS["llama3-8b"], 16, 64, jnp.float8_e4m3fn))),
+    **{f"ragged-{name}": (lambda m=m: (ragged_fn(m), ragged_args(m, 16))) for name, m in HEAD_SHAPES.items()},
 }
 
 
@@ -409,11 +410,9 @@ def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
     usage = resource_usage(triton, compiled.asm["cubin"], tmp_path)
     if usage is None:
         return
-    assert usage["REG"] <= 255 and usage["LOCAL"] == 0, usage
-    if usage["STACK"] > 0:
-        if case in KNOWN_SPILLS:
-            pytest.xfail(f"{case} spills registers with {call.num_warps} warps: {usage}")
-        pytest.fail(f"{case} spills registers ({usage['STACK']} bytes of stack): {usage}")
+    # A spill is local-memory traffic inside the key loop: with 4 warps the ragged kernel's 128-row
+    # tile spilled 160-1,500 bytes a thread at every head shape here.
+    assert usage["REG"] <= 255 and usage["LOCAL"] == 0 and usage["STACK"] == 0, (case, call.num_warps, usage)
 
 
 def test_float16_dots_take_the_bfloat16_widening_out_of_the_fp8_kernel(triton_for_sm90, tmp_path):
