@@ -34,6 +34,9 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
     fp8 = _dry(tmp_path, "kernels_fp8", "step_profile_fp8", "serving_fp8")
     assert [line.split("]")[0][1:] for line in fp8] == ["kernels_fp8", "step_profile_fp8_k8", "serving_fp8"]
     assert "--cache-dtype fp8_e4m3" in fp8[0] and all("--kv-cache-dtype fp8" in line for line in fp8[1:])
+    # The short lease's first command: the served goals alone, inside one device command (10 min).
+    [goals] = _dry(tmp_path, "goals")
+    assert goals.startswith("[goals] timeout 560 bash benchmarks/gpu_serving.sh") and "--kv-cache-dtype fp8" in goals
 
 
 def test_every_flag_it_passes_exists(tmp_path):
