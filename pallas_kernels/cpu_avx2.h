@@ -14,8 +14,9 @@
 // the end of a group of G rows the partial sums are scaled by the group's d (and the group's sum of
 // x times its minimum is added), as the AVX512 kernels do; an unquantized or per-column-scaled
 // weight is one group of K rows. One or two rows widen the values as they go (one row takes both
-// halves of a strip in one pass: `q4_one_row`, `int8_one_row`, `bf16_one_row`); more take the half
-// strip widened once (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
+// halves of a strip in one pass: `q4_one_row`, `int8_one_row`, `bf16_one_row`; two rows of a Q4
+// weight widen each vector once for both: `q4_two_rows`); more take the half strip widened once
+// (K x 64 bytes, in L1/L2), six rows at a time (`strips`).
 //
 // Exactness: every stored value widens to float32 exactly, products and sums are float32 (in a
 // different order than XLA's dot), scales are applied once per group in float32, and the output is
@@ -340,17 +341,42 @@ inline void in_order(__m256 even, __m256 odd, __m256& first, __m256& second) {
   second = _mm256_permute2f128_ps(lo, hi, 0x31);
 }
 
+// Nibble i of each 32-bit lane of a Q4 row pair's bytes, masked where it lies rather than shifted
+// down: (q << 4i) converts to float32 exactly (four significant bits), and a sum of x times it is
+// 2^4i times the sum of x times q, to the bit (a power of two commutes with rounding while nothing
+// overflows or goes subnormal: |x| < 2^100). The one- and two-row passes scale such sums back by
+// 2^-4i, also exact, before they combine. Nibble 7 is shifted down (in place it would not fit an
+// int32). One instruction fewer per vector than shifting and masking.
+alignas(32) inline constexpr uint32_t kNibbleMasks[7][8] = {
+    {15u, 15u, 15u, 15u, 15u, 15u, 15u, 15u},
+    {15u << 4, 15u << 4, 15u << 4, 15u << 4, 15u << 4, 15u << 4, 15u << 4, 15u << 4},
+    {15u << 8, 15u << 8, 15u << 8, 15u << 8, 15u << 8, 15u << 8, 15u << 8, 15u << 8},
+    {15u << 12, 15u << 12, 15u << 12, 15u << 12, 15u << 12, 15u << 12, 15u << 12, 15u << 12},
+    {15u << 16, 15u << 16, 15u << 16, 15u << 16, 15u << 16, 15u << 16, 15u << 16, 15u << 16},
+    {15u << 20, 15u << 20, 15u << 20, 15u << 20, 15u << 20, 15u << 20, 15u << 20, 15u << 20},
+    {15u << 24, 15u << 24, 15u << 24, 15u << 24, 15u << 24, 15u << 24, 15u << 24, 15u << 24}};
+
+// Nibble i (0-7) of every lane of b as float32, times 2^4i for i < 7 (see kNibbleMasks).
+inline __m256 q4_nibble(__m256i b, int i) {
+  if (i == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 28));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(kNibbleMasks[i]))));
+}
+
+// A sum of nibble i's products back to the sum of x times q.
+inline __m256 q4_unscale(__m256 sum, int i) {
+  return i == 0 || i == 7 ? sum : _mm256_mul_ps(sum, _mm256_set1_ps(1.0f / static_cast<float>(1 << (4 * i))));
+}
+
 // One row times strip s of a Q4 weight (Q4Pairs, groups of an even number of rows), both halves in
 // one pass: each 32-bit lane of a row pair's 32 bytes holds two columns' nibbles of both rows and
-// both halves, so eight shifts and masks give eight vectors of float32 (rows k, k + 1; even, odd
-// columns; low, high half) with no shuffles, into eight independent chains of FMAs (the two-row
+// both halves, so eight masks give eight vectors of float32 (rows k, k + 1; even, odd columns;
+// low, high half; kNibbleMasks) with no shuffles, into eight independent chains of FMAs (the two-row
 // `half_strip` pass keeps four, and an FMA waits ~4 cycles for the last). The even / odd columns
 // are put back in order once per group, before its scales. Sums in the same order as half_strip's.
 template <typename S>
 void q4_one_row(const Problem& p, int64_t s) {
   const int64_t groups = p.k / p.group;
   const uint8_t* w = p.w + s * p.k * Q4Pairs::kRowBytes;
-  const __m256i nib = _mm256_set1_epi32(15);
   __m256 t[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
     __m256 a[8];
@@ -358,22 +384,71 @@ void q4_one_row(const Problem& p, int64_t s) {
     for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kHalf));
       const __m256 x0 = _mm256_broadcast_ss(p.x + k), x1 = _mm256_broadcast_ss(p.x + k + 1);
-      const auto q = [&](int shift) { return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, shift), nib)); };
-      a[0] = _mm256_fmadd_ps(x0, _mm256_cvtepi32_ps(_mm256_and_si256(b, nib)), a[0]);  // row k, even columns, low half
-      a[1] = _mm256_fmadd_ps(x0, q(4), a[1]);                                        // row k, even, high half
-      a[2] = _mm256_fmadd_ps(x1, q(8), a[2]);                                        // row k + 1, even, low
-      a[3] = _mm256_fmadd_ps(x1, q(12), a[3]);
-      a[4] = _mm256_fmadd_ps(x0, q(16), a[4]);                                       // row k, odd, low
-      a[5] = _mm256_fmadd_ps(x0, q(20), a[5]);
-      a[6] = _mm256_fmadd_ps(x1, q(24), a[6]);
-      a[7] = _mm256_fmadd_ps(x1, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 28)), a[7]);
+      a[0] = _mm256_fmadd_ps(x0, q4_nibble(b, 0), a[0]);  // row k, even columns, low half
+      a[1] = _mm256_fmadd_ps(x0, q4_nibble(b, 1), a[1]);  // row k, even, high half
+      a[2] = _mm256_fmadd_ps(x1, q4_nibble(b, 2), a[2]);  // row k + 1, even, low
+      a[3] = _mm256_fmadd_ps(x1, q4_nibble(b, 3), a[3]);
+      a[4] = _mm256_fmadd_ps(x0, q4_nibble(b, 4), a[4]);  // row k, odd, low
+      a[5] = _mm256_fmadd_ps(x0, q4_nibble(b, 5), a[5]);
+      a[6] = _mm256_fmadd_ps(x1, q4_nibble(b, 6), a[6]);
+      a[7] = _mm256_fmadd_ps(x1, q4_nibble(b, 7), a[7]);
     }
+    for (int i = 0; i < 8; ++i) a[i] = q4_unscale(a[i], i);
     __m256 part[4];  // columns 0-7, 8-15, 16-23, 24-31
     for (int h = 0; h < 2; ++h)
       in_order(_mm256_add_ps(a[h], a[2 + h]), _mm256_add_ps(a[4 + h], a[6 + h]), part[2 * h], part[2 * h + 1]);
     add_scaled_group<S>(p, s, g, part, t);
   }
   store_one_row(p, s, t);
+}
+
+// Two rows times half h of strip s of a Q4 weight: the lanes of q4_one_row, half h's four nibbles
+// (rows k, k + 1; even, odd columns), each widened once into both rows' chains: eight chains of
+// FMAs, as one row's (the half_strip pass widens through 16-bit lanes and extracts, twice the
+// instructions per vector). Sums in half_strip's order.
+template <typename S, int h>
+void q4_two_rows(const Problem& p, int64_t s) {
+  const int64_t groups = p.k / p.group;
+  const uint8_t* w = p.w + s * p.k * Q4Pairs::kRowBytes;
+  __m256 tlo[2], thi[2];
+  for (int m = 0; m < 2; ++m) tlo[m] = thi[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 a[2][4];  // per row: row k's even columns, row k + 1's even, row k's odd, row k + 1's odd
+    for (int m = 0; m < 2; ++m)
+      for (int j = 0; j < 4; ++j) a[m][j] = _mm256_setzero_ps();
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kHalf));
+      __m256 x[2][2];
+      for (int m = 0; m < 2; ++m)
+        for (int r = 0; r < 2; ++r) x[m][r] = _mm256_broadcast_ss(p.x + m * p.k + k + r);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = q4_nibble(b, 2 * j + h);
+        a[0][j] = _mm256_fmadd_ps(x[0][j % 2], v, a[0][j]);
+        a[1][j] = _mm256_fmadd_ps(x[1][j % 2], v, a[1][j]);
+      }
+    }
+    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip + h * kHalf;
+    __m256 d0, d1;
+    load16(gs, d0, d1);
+    for (int m = 0; m < 2; ++m) {
+      for (int j = 0; j < 4; ++j) a[m][j] = q4_unscale(a[m][j], 2 * j + h);
+      __m256 lo, hi;
+      in_order(_mm256_add_ps(a[m][0], a[m][1]), _mm256_add_ps(a[m][2], a[m][3]), lo, hi);
+      tlo[m] = _mm256_fmadd_ps(lo, d0, tlo[m]);
+      thi[m] = _mm256_fmadd_ps(hi, d1, thi[m]);
+    }
+    if (p.scale_rows == 2) {
+      __m256 n0, n1;
+      load16(gs + kStrip, n0, n1);
+      for (int m = 0; m < 2; ++m) {
+        const __m256 xs = _mm256_set1_ps(p.xsum[m * groups + g]);
+        tlo[m] = _mm256_fmadd_ps(xs, n0, tlo[m]);
+        thi[m] = _mm256_fmadd_ps(xs, n1, thi[m]);
+      }
+    }
+  }
+  for (int m = 0; m < 2; ++m) store_half(p, m, s * kStrip + h * kHalf, tlo[m], thi[m]);
 }
 
 // The group loop of a one-row pass over strip s: `add_row(k, x, a)` adds x times weight row k of
@@ -455,6 +530,13 @@ void strips(const Problem& p, int64_t s0, int64_t s1) {
   if constexpr (std::is_same_v<Rows, Q4Pairs>) {
     if (p.m == 1 && p.scales != nullptr && p.group % 2 == 0) {
       for (int64_t s = s0; s < s1; ++s) q4_one_row<S>(p, s);
+      return;
+    }
+    if (p.m == 2 && p.scales != nullptr && p.group % 2 == 0) {
+      for (int64_t s = s0; s < s1; ++s) {
+        q4_two_rows<S, 0>(p, s);
+        if (s * kStrip + kHalf < p.n) q4_two_rows<S, 1>(p, s);  // not the last strip's padding half
+      }
       return;
     }
   }
