@@ -54,7 +54,8 @@ ISA_NAMES = {2: "AVX512-BF16", 1: "AVX2", 0: "generic"}  # JaxserveAttentionIsa(
 def _register(tier: str = "native") -> None:
     """Build (or find) the kernel and register it with XLA once per process; raises BuildError."""
     lib = native.load(SOURCE, TIERS[tier])
-    jax.ffi.register_ffi_target(target_name(TARGET, tier), jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(target_name(TARGET, tier), jax.ffi.pycapsule(lib.JaxservePagedAttention),
+                                platform="cpu")
 
 
 def ensure_built(tier: str = "native") -> None:

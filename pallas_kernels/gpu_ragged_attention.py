@@ -205,15 +205,16 @@ def ragged_paged_attention_gpu(
     layer: jax.Array | int | None = None,
     q_block: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool | None = None,
     lowering: str = DEFAULT_LOWERING,
 ) -> jax.Array:  # [total_tokens, q_heads, head_dim]
     """Ragged attention as a Pallas GPU kernel; same semantics as `ragged_paged_attention_reference`.
 
-    `q_block` (query tokens per program, a power of two), `pages_per_block`, `num_warps`,
-    `num_stages` are static tuning knobs; `interpret` defaults to True off-GPU. With `layer`,
+    `q_block` (query tokens per program, a power of two), `pages_per_block`, `num_warps` (default:
+    `gpu_num_warps` of the tile), `num_stages` are static tuning knobs; `interpret` defaults to True
+    off-GPU. With `layer`,
     k_pages/v_pages are the stacked cache and only that layer's pages are read.
     """
     if lowering not in LOWERINGS:
