@@ -129,29 +129,28 @@ if wanted graphs; then
     done
   done
 fi
+# serve NAME SECONDS [jaxserve flags...]: gpu_serving.sh into OUT/NAME (sized by SWEEP, WAVE, ... in
+# the environment), its bundle copied to OUT/NAME.tgz: the device tool returns files two folders deep.
+serve() {
+  local name=$1 seconds=$2
+  shift 2
+  run "$name" "$seconds" bash benchmarks/gpu_serving.sh "$out/$name" auto "$@"
+  if [[ -z "${DRY_RUN:-}" && -f "$out/$name/gpu_serving.tgz" ]]; then
+    cp "$out/$name/gpu_serving.tgz" "$out/$name.tgz"
+  fi
+}
 if wanted serving; then
   SWEEP=${SWEEP:-1,16,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \
-    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} \
-    run serving 580 bash benchmarks/gpu_serving.sh "$out/serving" auto
-  if [[ -z "${DRY_RUN:-}" && -f "$out/serving/gpu_serving.tgz" ]]; then
-    cp "$out/serving/gpu_serving.tgz" "$out/serving.tgz"  # the device tool returns files two folders deep
-  fi
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} serve serving 580
 fi
 if wanted goals; then
   # Concurrency 1 (two requests after two warm-ups) and one wave of 256: what #17 asks of an H100
   # (TPOT <= 6.6 ms; >= 8,000 output tok/s), and the server's start-up (~110 s cold) on the way.
   SWEEP=1 WAVE=256 PER_CONCURRENCY=2 READY_TIMEOUT=300 SWEEP_TIMEOUT=150 WAVE_TIMEOUT=120 \
-    run goals 560 bash benchmarks/gpu_serving.sh "$out/goals" auto --kv-cache-dtype fp8
-  if [[ -z "${DRY_RUN:-}" && -f "$out/goals/gpu_serving.tgz" ]]; then
-    cp "$out/goals/gpu_serving.tgz" "$out/goals.tgz"
-  fi
+    serve goals 560 --kv-cache-dtype fp8
 fi
 if wanted serving_fp8; then
   SWEEP=${SWEEP:-1,64} WAVE=${WAVE:-256} PER_CONCURRENCY=${PER_CONCURRENCY:-2} READY_TIMEOUT=300 \
-    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} \
-    run serving_fp8 580 bash benchmarks/gpu_serving.sh "$out/serving_fp8" auto --kv-cache-dtype fp8
-  if [[ -z "${DRY_RUN:-}" && -f "$out/serving_fp8/gpu_serving.tgz" ]]; then
-    cp "$out/serving_fp8/gpu_serving.tgz" "$out/serving_fp8.tgz"
-  fi
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} WAVE_TIMEOUT=${WAVE_TIMEOUT:-100} serve serving_fp8 580 --kv-cache-dtype fp8
 fi
 echo "summary: $summary"

@@ -205,6 +205,32 @@ inline void store_half(const Problem& p, int64_t m, int64_t n0, __m256 lo, __m25
   }
 }
 
+// t += group g's partial sums p of rows [m0, m0 + MB) x half h of strip s (lo: columns 0-7, hi:
+// 8-15) times the group's d, plus each row's sum over the group times its minimum (scale_rows 2).
+template <int MB, typename S>
+inline void add_scaled_half(const Problem& p, int64_t s, int h, int64_t g, int64_t m0, const __m256* plo,
+                            const __m256* phi, __m256* tlo, __m256* thi) {
+  const int64_t groups = p.k / p.group;
+  const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip + h * kHalf;
+  __m256 d0, d1;
+  load16(gs, d0, d1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    tlo[m] = _mm256_fmadd_ps(plo[m], d0, tlo[m]);
+    thi[m] = _mm256_fmadd_ps(phi[m], d1, thi[m]);
+  }
+  if (p.scale_rows == 2) {
+    __m256 n0, n1;
+    load16(gs + kStrip, n0, n1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xs = _mm256_set1_ps(p.xsum[(m0 + m) * groups + g]);
+      tlo[m] = _mm256_fmadd_ps(xs, n0, tlo[m]);
+      thi[m] = _mm256_fmadd_ps(xs, n1, thi[m]);
+    }
+  }
+}
+
 // Rows [m0, m0 + MB) x half h of strip s: sums over K, scaled per group, rounded into out.
 template <int MB, typename S, typename Source>
 void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& src) {
@@ -257,24 +283,7 @@ void half_strip(const Problem& p, int64_t s, int h, int64_t m0, const Source& sr
       for (int m = 0; m < MB; ++m) tlo[m] = plo[m], thi[m] = phi[m];
       break;
     }
-    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip + h * kHalf;
-    __m256 d0, d1;
-    load16(gs, d0, d1);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      tlo[m] = _mm256_fmadd_ps(plo[m], d0, tlo[m]);
-      thi[m] = _mm256_fmadd_ps(phi[m], d1, thi[m]);
-    }
-    if (p.scale_rows == 2) {
-      __m256 n0, n1;
-      load16(gs + kStrip, n0, n1);
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        const __m256 xs = _mm256_set1_ps(p.xsum[(m0 + m) * groups + g]);
-        tlo[m] = _mm256_fmadd_ps(xs, n0, tlo[m]);
-        thi[m] = _mm256_fmadd_ps(xs, n1, thi[m]);
-      }
-    }
+    add_scaled_half<MB, S>(p, s, h, g, m0, plo, phi, tlo, thi);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) store_half(p, m0 + m, s * kStrip + h * kHalf, tlo[m], thi[m]);
@@ -428,25 +437,12 @@ void q4_two_rows(const Problem& p, int64_t s) {
         a[1][j] = _mm256_fmadd_ps(x[1][j % 2], v, a[1][j]);
       }
     }
-    const S* gs = static_cast<const S*>(p.scales) + ((s * groups + g) * p.scale_rows) * kStrip + h * kHalf;
-    __m256 d0, d1;
-    load16(gs, d0, d1);
+    __m256 lo[2], hi[2];
     for (int m = 0; m < 2; ++m) {
       for (int j = 0; j < 4; ++j) a[m][j] = q4_unscale(a[m][j], 2 * j + h);
-      __m256 lo, hi;
-      in_order(_mm256_add_ps(a[m][0], a[m][1]), _mm256_add_ps(a[m][2], a[m][3]), lo, hi);
-      tlo[m] = _mm256_fmadd_ps(lo, d0, tlo[m]);
-      thi[m] = _mm256_fmadd_ps(hi, d1, thi[m]);
+      in_order(_mm256_add_ps(a[m][0], a[m][1]), _mm256_add_ps(a[m][2], a[m][3]), lo[m], hi[m]);
     }
-    if (p.scale_rows == 2) {
-      __m256 n0, n1;
-      load16(gs + kStrip, n0, n1);
-      for (int m = 0; m < 2; ++m) {
-        const __m256 xs = _mm256_set1_ps(p.xsum[m * groups + g]);
-        tlo[m] = _mm256_fmadd_ps(xs, n0, tlo[m]);
-        thi[m] = _mm256_fmadd_ps(xs, n1, thi[m]);
-      }
-    }
+    add_scaled_half<2, S>(p, s, h, g, 0, lo, hi, tlo, thi);
   }
   for (int m = 0; m < 2; ++m) store_half(p, m, s * kStrip + h * kHalf, tlo[m], thi[m]);
 }

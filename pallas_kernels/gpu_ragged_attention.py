@@ -214,8 +214,7 @@ def ragged_paged_attention_gpu(
 
     `q_block` (query tokens per program, a power of two), `pages_per_block`, `num_warps` (default:
     `gpu_num_warps` of the tile), `num_stages` are static tuning knobs; `interpret` defaults to True
-    off-GPU. With `layer`,
-    k_pages/v_pages are the stacked cache and only that layer's pages are read.
+    off-GPU. With `layer`, k_pages/v_pages are the stacked cache and only that layer's pages are read.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
