@@ -45,7 +45,8 @@ from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_ite
 
 def _ragged_kernel(
     meta_ref,  # [4] int32: first token, first row within the sequence, q_len, kv_len
-    scalars_ref,  # [2] int32: window, layer
+    window_ref,  # [1] int32
+    layer_ref,  # [1] int32
     page_tables_ref,  # [padded_pages] int32: the item's sequence's page-table row
     q_ref,  # [padded_tokens, heads, head_dim]: this kv head's query heads
     k_pages_ref,  # [layers, num_pages, page_size, head_dim]: this kv head's pages of every layer
@@ -64,7 +65,7 @@ def _ragged_kernel(
     block_k = pages_per_block * page_size
     rows = q_block * heads
     token, row0, q_len, kv_len = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    window, layer = scalars_ref[0], scalars_ref[1]
+    window, layer = window_ref[0], layer_ref[0]
 
     r = jnp.arange(rows, dtype=jnp.int32)
     local = row0 + r // heads
@@ -150,7 +151,9 @@ def _ragged_triton(
     # [kv_heads, tokens + q_block, heads, head_dim]: an item's rows are one slice that never runs off the end.
     qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qg = jnp.pad(qg, ((0, 0), (0, tq), (0, heads - group), (0, 0)))
-    scalars = jnp.stack([jnp.asarray(window, jnp.int32).reshape(()), layer])
+    # Two operands, not one stacked [window, layer]: see gpu_paged_attention (a kernel per layer).
+    window_op = jnp.asarray(window, jnp.int32).reshape(1)
+    layer_op = jnp.asarray(layer, jnp.int32).reshape(1)
 
     kernel = functools.partial(
         _ragged_kernel,
@@ -168,7 +171,8 @@ def _ragged_triton(
         grid=(num_items, kv_heads),
         in_specs=[
             pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
-            pl.BlockSpec((2,), lambda i, h: (0,)),
+            pl.BlockSpec((1,), lambda i, h: (0,)),
+            pl.BlockSpec((1,), lambda i, h: (0,)),
             pl.BlockSpec((None, padded_pages), lambda i, h: (i, 0)),
             pl.BlockSpec((None, total + tq, heads, head_dim), lambda i, h: (h, 0, 0, 0)),
             pl.BlockSpec(page_block, lambda i, h: (0, h, 0, 0, 0)),
@@ -179,7 +183,7 @@ def _ragged_triton(
         compiler_params=_triton_params(num_warps or gpu_num_warps(tq * heads, head_dim), num_stages),
         interpret=interpret,
         name="jaxserve_ragged_paged_attention",
-    )(meta, scalars, item_pages, qg, k_pages, v_pages)
+    )(meta, window_op, layer_op, item_pages, qg, k_pages, v_pages)
 
     out = out.reshape(kv_heads, num_items, tq, heads, head_dim)[:, w.token_item, w.token_row, :group]
     out = out.transpose(1, 0, 2, 3).reshape(total, q_heads, head_dim)

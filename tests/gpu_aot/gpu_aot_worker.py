@@ -1,0 +1,156 @@
+"""Run by test_gpu_steps_compile.py in a subprocess: the engine's real decode steps for a
+random-weight Llama-3-8B, compiled by XLA:GPU for an H100 on a machine without a GPU, and what the
+compiled programs say, as JSON.
+
+How: the CUDA PJRT plugin (jax-cuda13-plugin + jax-cuda13-pjrt, the pins of jax's own cuda13
+extra) creates a topology from a target description instead of a local device
+(`get_topology_desc("h100", "cuda", target_config=..., topology="1x1x1")`, XLA's deviceless
+compilation), and `lower(...).compile()` under that mesh runs the whole XLA:GPU pipeline, the
+Pallas Triton kernels included. The plugin is kept out of the project's virtual environment (the
+Makefile installs it into .venv/cuda-aot): imported where no GPU driver is, its version check
+prints a traceback on every jax import, so only this process, with JAX_PLATFORMS=cpu (which skips
+that check), puts it on its path. Without a device XLA skips autotuning (GEMM tiles and split-K
+come from its heuristics) and sorts fall back from CUB; the program's structure (fusions, kernels
+per iteration, buffers, aliasing) is what the device would compile.
+
+usage: python gpu_aot_worker.py OUT.json [HLO_DIR]   (with the plugin on PYTHONPATH; HLO_DIR: where to
+write each compiled step's optimized HLO)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"  # the local backend; the plugin only compiles
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+TARGET = Path(__file__).with_name("h100.txtpb")
+PAGE_SIZE = 16
+NUM_PAGES = 40_000  # 640k tokens of fp8 cache: 42 GB beside the 16 GB of weights
+MAX_MODEL_LEN = 4096
+MAX_NUM_SEQS = 64
+DECODE_STEPS = 8  # the engine's default on GPUs (jaxserve.startup.resolve_decode_steps)
+DECODE_BUCKETS = (1, 64)
+
+# Instructions of a compiled XLA:GPU program that launch work on the device (a fusion is one
+# kernel; a custom call a Triton kernel or a library call; copies and sorts their own kernels).
+KERNEL_OPS = {"fusion", "custom-call", "copy", "copy-start", "sort", "all-reduce", "all-gather", "reduce-scatter",
+              "scatter", "gather", "reduce", "dynamic-update-slice"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\(.*?\)|\S+) ([a-z\-]+)\(")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines, from a compiled module's text."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+        elif current is not None and line.startswith("  "):
+            current.append(line)
+    return out
+
+
+def decode_loop(hlo: str, cache_shape: str) -> dict:
+    """The decode iterations' `while` (the one that carries the KV cache): the instructions its body
+    runs per iteration, by op, and the kernels among them (each conditional counted once: what runs
+    inside its branches depends on the batch)."""
+    comps = computations(hlo)
+    entry = re.search(r"^ENTRY %([\w.\-]+) ", hlo, re.M).group(1)
+    loops = [line for line in comps[entry] if " while(" in line and cache_shape in line.split(" while(")[0]]
+    assert len(loops) == 1, f"{len(loops)} loops carry the cache"
+    body = re.search(r"body=%([\w.\-]+)", loops[0]).group(1)
+    ops = Counter(m.group(2) for m in map(_INSTRUCTION.match, comps[body]) if m)
+    return {"ops": dict(ops), "kernels": sum(n for op, n in ops.items() if op in KERNEL_OPS),
+            "conditionals": ops.get("conditional", 0)}
+
+
+def cache_copies(hlo: str, cache_shape: str) -> int:
+    """Copies of a cache-shaped array anywhere in the program (an in-place update has none)."""
+    return sum(1 for line in hlo.splitlines()
+               if (m := _INSTRUCTION.match(line)) and m.group(2) in ("copy", "copy-start") and cache_shape in m.group(1))
+
+
+def main() -> None:
+    from jax.experimental import topologies
+
+    from benchmarks.dummy_model import PRESETS, parameter_count
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.engine.buckets import BucketTable
+    from jaxserve.engine.device_batch import abstract_batch
+    from jaxserve.engine.kv_cache import KVCache, bytes_per_page
+    from jaxserve.engine.programs import StepPrograms
+    from jaxserve.engine.runner import GPU_COMPILER_OPTIONS, min_product_rows
+    from jaxserve.engine.step_inputs import StepInputBuilder
+    from jaxserve.models.config import decoder_config_from_hf
+    from jaxserve.parallel import ShardingPlan
+    from jaxserve.plan import abstract_params, per_chip_bytes
+
+    target = TARGET.read_text()
+    topology = topologies.get_topology_desc("h100", "cuda", target_config=target, topology="1x1x1")
+    mesh = jax.sharding.Mesh(np.array(topology.devices), ("model",))
+    hbm = int(re.search(r"device_memory_size: (\d+)", target).group(1))
+    cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
+    sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024, max_prefill_seqs=8,
+                            max_model_len=MAX_MODEL_LEN, decode_buckets=DECODE_BUCKETS, prefill_buckets=(1024,),
+                            decode_steps=DECODE_STEPS)
+    max_pages = MAX_MODEL_LEN // PAGE_SIZE
+    builder = StepInputBuilder(num_slots=MAX_NUM_SEQS + 1, vocab_size=cfg.vocab_size, page_size=PAGE_SIZE,
+                               max_pages_per_seq=max_pages, buckets=BucketTable(sched), max_prefill_seqs=8,
+                               decode_steps=DECODE_STEPS, row_params=lambda seq: None)
+    sharding = ShardingPlan(mesh, cfg)
+    graphdef, params = abstract_params(cfg, jnp.bfloat16, mesh)
+    programs = StepPrograms(graphdef, cfg, page_size=PAGE_SIZE, decode_steps=DECODE_STEPS,
+                            attention_backend="pallas_gpu", mesh=mesh, min_rows=min_product_rows("gpu", jnp.bfloat16),
+                            params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, params))
+    kv_dtype = jnp.float8_e4m3fn  # the fp8 cache, as the served goals run (gpu_suite.sh goals)
+    shape = KVCache.shape(cfg, NUM_PAGES, PAGE_SIZE)
+    kv = KVCache(*(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding.kv_cache()) for _ in range(2)))
+    batch = abstract_batch(MAX_NUM_SEQS + 1, cfg.vocab_size, max_pages, sharding.replicated())
+    cache_shape = f"f8e4m3fn[{','.join(map(str, shape))}]"
+    report = {
+        "device": topology.devices[0].device_kind, "hbm_bytes": hbm, "num_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size, "weights_bytes": per_chip_bytes(params),
+        # bfloat16 weights of one layer: all but the embedding and the LM head, shared out
+        "layer_bytes": 2 * (parameter_count(PRESETS["llama-3-8b"]) - 2 * cfg.vocab_size * cfg.hidden_size)
+        // cfg.num_layers,
+        "kv_bytes": NUM_PAGES * bytes_per_page(cfg, PAGE_SIZE, kv_dtype), "batch_bytes": per_chip_bytes(batch),
+        "steps": {},
+    }
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        for rows in DECODE_BUCKETS:
+            key = ("decode", rows)
+            start = time.perf_counter()
+            compiled = programs.lower(key, params, kv, batch, builder.abstract(key)).compile(
+                compiler_options=dict(GPU_COMPILER_OPTIONS))
+            seconds = time.perf_counter() - start
+            ma = compiled.memory_analysis()
+            hlo = compiled.as_text()
+            if len(sys.argv) > 2:  # the compiled programs, to read what each iteration runs
+                Path(sys.argv[2], f"decode{rows}.hlo").write_text(hlo)
+            report["steps"][str(rows)] = {
+                "compile_s": seconds, "temp_bytes": ma.temp_size_in_bytes, "argument_bytes": ma.argument_size_in_bytes,
+                "alias_bytes": ma.alias_size_in_bytes, "loop": decode_loop(hlo, cache_shape),
+                "cache_copies": cache_copies(hlo, cache_shape),
+                "triton_kernels": hlo.count('custom_call_target="__gpu$xla.gpu.triton"'),
+            }
+            print(f"decode {rows}: compiled in {seconds:.1f}s, {report['steps'][str(rows)]['loop']['kernels']} kernels "
+                  "per iteration", flush=True)
+    Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
