@@ -161,6 +161,14 @@ def default_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: 
     return max(1, min(want, _next_pow2(num_blocks)))
 
 
+def window_and_layer(window: jax.Array | int, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+    """The kernels' window and layer operands, [1] int32 each. Two operands, not one stacked
+    [window, layer]: both are constants per layer, and XLA rewrites the constant [0, i] as iota * i,
+    a kernel of its own per layer on every decode iteration (Llama-3-8B compiled for an H100 without
+    one, tests/gpu_aot: 32 of the 645 kernels of a batch-1 iteration)."""
+    return jnp.asarray(window, jnp.int32).reshape(1), jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def _decode_triton(
     q: jax.Array,
     k_pages: jax.Array,
@@ -199,11 +207,7 @@ def _decode_triton(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     if dot_dtype is not None:  # the kernel widens keys and values to q's dtype, and dots in it
         qg = qg.astype(dot_dtype)
-    # Window and layer as two operands: stacked into one array, [window, layer] is a constant pattern
-    # that XLA rewrites as iota * layer, a kernel of its own per layer on every decode iteration
-    # (Llama-3-8B on an H100, compiled deviceless: 32 of the 645 kernels of a batch-1 iteration).
-    window_op = jnp.asarray(window, jnp.int32).reshape(1)
-    layer_op = jnp.asarray(layer, jnp.int32).reshape(1)
+    window_op, layer_op = window_and_layer(window, layer)
 
     kernel = functools.partial(
         _decode_kernel if splits > 1 else _single_split_kernel,

@@ -39,6 +39,7 @@ from pallas_kernels.gpu_paged_attention import (
     block_logits,
     default_interpret,
     pages_per_block_for,
+    window_and_layer,
 )
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
 
@@ -151,9 +152,7 @@ def _ragged_triton(
     # [kv_heads, tokens + q_block, heads, head_dim]: an item's rows are one slice that never runs off the end.
     qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qg = jnp.pad(qg, ((0, 0), (0, tq), (0, heads - group), (0, 0)))
-    # Two operands, not one stacked [window, layer]: see gpu_paged_attention (a kernel per layer).
-    window_op = jnp.asarray(window, jnp.int32).reshape(1)
-    layer_op = jnp.asarray(layer, jnp.int32).reshape(1)
+    window_op, layer_op = window_and_layer(window, layer)
 
     kernel = functools.partial(
         _ragged_kernel,

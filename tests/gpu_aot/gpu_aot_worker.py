@@ -87,7 +87,7 @@ def cache_copies(hlo: str, cache_shape: str) -> int:
 def main() -> None:
     from jax.experimental import topologies
 
-    from benchmarks.dummy_model import PRESETS, parameter_count
+    from benchmarks.dummy_model import PRESETS
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.engine.device_batch import abstract_batch
@@ -124,9 +124,8 @@ def main() -> None:
     report = {
         "device": topology.devices[0].device_kind, "hbm_bytes": hbm, "num_layers": cfg.num_layers,
         "vocab_size": cfg.vocab_size, "weights_bytes": per_chip_bytes(params),
-        # bfloat16 weights of one layer: all but the embedding and the LM head, shared out
-        "layer_bytes": 2 * (parameter_count(PRESETS["llama-3-8b"]) - 2 * cfg.vocab_size * cfg.hidden_size)
-        // cfg.num_layers,
+        # one layer's bfloat16 weights: all but the embedding and the LM head, shared out (as tests/tpu_aot)
+        "layer_bytes": (per_chip_bytes(params) - 2 * cfg.vocab_size * cfg.hidden_size * 2) // cfg.num_layers,
         "kv_bytes": NUM_PAGES * bytes_per_page(cfg, PAGE_SIZE, kv_dtype), "batch_bytes": per_chip_bytes(batch),
         "steps": {},
     }

@@ -39,8 +39,9 @@ def report(tmp_path_factory) -> dict:
     if not (PLUGIN / "jax_plugins").is_dir():
         pytest.skip(f"no CUDA plugin at {PLUGIN}: `make test` installs it (Linux x86_64)")
     out = tmp_path_factory.mktemp("gpu_aot") / "report.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGIN), os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
+    # (The worker sets JAX_PLATFORMS=cpu itself, before importing jax.)
+    path = [str(PLUGIN), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
