@@ -2,9 +2,10 @@
 
 Grid `(batch, kv_heads, splits)`: a program owns one sequence, one kv head and one split of that
 sequence's page-table row. It keeps the kv head's `group` query heads as the rows of one matmul
-(padded to 16, Triton's smallest dot), streams its pages in blocks of `pages_per_block` (one gather
-of page ids per block), and keeps an online softmax. Each split writes its unnormalised accumulator
-with its running max and sum; the splits are combined exactly with log-sum-exp outside the kernel.
+(repeated in registers to 16 rows, Triton's smallest dot), streams its pages in blocks of
+`pages_per_block` (one gather of page ids per block), and keeps an online softmax. Each split writes
+its unnormalised accumulator with its running max and sum for its real rows only; a second small
+kernel merges the splits exactly with log-sum-exp.
 Splits whose pages are all past the sequence's length, or all outside its sliding window, do no
 work, so a batch pays for the pages its sequences use, not for `max_pages_per_seq`.
 
@@ -93,12 +94,12 @@ def _decode_kernel(
     window_ref,  # [1] int32
     layer_ref,  # [1] int32
     page_tables_ref,  # [pages_per_split] int32: this sequence's pages in this split
-    q_ref,  # [rows, head_dim]: this kv head's query heads, padded
+    q_ref,  # [heads, head_dim]: this kv head's query heads (a power of two of them)
     k_pages_ref,  # [layers, num_pages, page_size, head_dim]: this kv head's pages of every layer
     v_pages_ref,  # [layers, num_pages, page_size, head_dim]
-    acc_ref,  # [rows, head_dim] float32, or the normalised output in q's dtype (one split)
-    m_ref,  # [rows] float32 (absent with one split)
-    l_ref,  # [rows] float32 (absent with one split)
+    acc_ref,  # [heads, head_dim] float32, or the normalised output in q's dtype (one split)
+    m_ref,  # [heads] float32 (absent with one split)
+    l_ref,  # [heads] float32 (absent with one split)
     *,
     scale: float,
     softcap: float | None,
@@ -106,7 +107,8 @@ def _decode_kernel(
     precision: jax.lax.Precision,
 ):
     split = pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    heads, head_dim = q_ref.shape
+    rows = max(MIN_DOT_ROWS, heads)
     page_size = k_pages_ref.shape[2]
     pages_per_split = page_tables_ref.shape[0]
     block_k = pages_per_block * page_size
@@ -118,7 +120,7 @@ def _decode_kernel(
     split_start = split * pages_per_split  # in pages
     first_block = jnp.maximum(first_key // page_size - split_start, 0) // pages_per_block
     end_block = pl.cdiv(jnp.clip(pl.cdiv(length, page_size) - split_start, 0, pages_per_split), pages_per_block)
-    q = q_ref[...]
+    q = tile_rows(q_ref[...], rows)
 
     def body(i, carry):
         s, v = block_logits(
@@ -131,6 +133,7 @@ def _decode_kernel(
 
     init = online_softmax_init(rows, head_dim)
     acc, m, l = jax.lax.fori_loop(first_block, end_block, body, init)
+    acc, m, l = first_copy(acc, heads), first_copy(m, heads), first_copy(l, heads)
     if m_ref is None:
         # One split: nothing to combine, so normalise here and skip a float32 round trip.
         acc_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(acc_ref.dtype)
@@ -138,6 +141,35 @@ def _decode_kernel(
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def tile_rows(x: jax.Array, rows: int) -> jax.Array:
+    """`x` [heads, ...] repeated to `rows` rows (copy c holds rows c*heads ...), in registers.
+
+    A dot needs >= 16 rows and a kv head has fewer query heads (4 for Llama-3), so the kernel pads
+    them itself. Padded in XLA, q took a kernel of its own and the output a slice: one kernel per
+    layer per decode iteration more (Llama-3-8B at batch 64 for an H100, tests/gpu_aot: 476 -> 444),
+    and the split accumulators held 16 rows for 4 (4 MiB a layer at batch 1). Copies of the real
+    rows, not zeros, because a broadcast and a reshape are all the Triton lowering needs (it has no
+    concatenate of rows); each copy's logits and output equal the real rows' exactly, and the
+    unused copies cost what zero rows did. The rows are not loaded from past the array's end:
+    Triton's loads of a block taller than its array are unmasked (the interpreter pads them, so
+    only a GPU would see it).
+    """
+    heads = x.shape[0]
+    if rows == heads:
+        return x
+    return jnp.broadcast_to(x[None], (rows // heads, *x.shape)).reshape(rows, *x.shape[1:])
+
+
+def first_copy(x: jax.Array, heads: int) -> jax.Array:
+    """The first copy's rows [heads, ...] of a `tile_rows` result [rows, ...], exactly."""
+    rows = x.shape[0]
+    if rows == heads:
+        return x
+    x = x.reshape(rows // heads, heads, *x.shape[1:])
+    copy = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.sum(jnp.where(copy == 0, x, 0), axis=0)
 
 
 def _single_split_kernel(lengths_ref, window_ref, layer_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
@@ -153,6 +185,40 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     denom = jnp.sum(w * l, axis=0)
     out = jnp.sum(w[..., None] * acc, axis=0)
     return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):  # [splits, head_dim], [splits], [splits] -> [head_dim]
+    o_ref[...] = combine_splits(acc_ref[...], m_ref[...], l_ref[...]).astype(o_ref.dtype)
+
+
+def combine_splits_kernel(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: Any, *, interpret: bool) -> jax.Array:
+    """`combine_splits` of acc [splits, *rows, head_dim] as one Triton kernel, one program per row.
+
+    XLA compiles the merge as three reductions, three kernels per layer per decode iteration
+    beside the attention kernel (Llama-3-8B at batch 1 for an H100, tests/gpu_aot); here it is one.
+    A program holds one row's splits x head_dim float32 values (64 x 128 at batch 1: 32 KiB).
+    """
+    splits, *rows, head_dim = acc.shape
+    n = 1
+    for r in rows:
+        n *= r
+    acc = acc.reshape(splits, n, head_dim)
+    m, l = m.reshape(splits, n), l.reshape(splits, n)
+    out = pl.pallas_call(
+        _combine_kernel,
+        grid=(n,),
+        in_specs=[
+            pl.BlockSpec((splits, None, head_dim), lambda i: (0, i, 0)),
+            pl.BlockSpec((splits, None), lambda i: (0, i)),
+            pl.BlockSpec((splits, None), lambda i: (0, i)),
+        ],
+        out_specs=pl.BlockSpec((None, head_dim), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, head_dim), dtype),
+        compiler_params=_triton_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxserve_combine_splits",
+    )(acc, m, l)
+    return out.reshape(*rows, head_dim)
 
 
 def default_splits(batch: int, kv_heads: int, num_blocks: int, target_programs: int = 264) -> int:
@@ -191,7 +257,7 @@ def _decode_triton(
     num_layers, kv_heads, num_pages, page_size, _ = k_pages.shape
     max_pages = page_tables.shape[1]
     group = q_heads // kv_heads
-    rows = max(MIN_DOT_ROWS, _next_pow2(group))
+    heads = _next_pow2(group)  # Triton's blocks are powers of two; the kernel tiles them to >= 16 rows
 
     pages_per_block = pages_per_block_for(pages_per_block, page_size, max_pages)
     num_blocks = -(-max_pages // pages_per_block)
@@ -204,7 +270,8 @@ def _decode_triton(
     page_tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
 
     qg = q.reshape(batch, kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    if heads != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, heads - group), (0, 0)))
     if dot_dtype is not None:  # the kernel widens keys and values to q's dtype, and dots in it
         qg = qg.astype(dot_dtype)
     window_op, layer_op = window_and_layer(window, layer)
@@ -223,7 +290,7 @@ def _decode_triton(
         pl.BlockSpec((1,), lambda b, h, s: (0,)),
         pl.BlockSpec((1,), lambda b, h, s: (0,)),
         pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
-        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, heads, head_dim), lambda b, h, s: (b, h, 0, 0)),
         pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
         pl.BlockSpec(page_block, lambda b, h, s: (0, h, 0, 0, 0)),
     ]
@@ -233,8 +300,8 @@ def _decode_triton(
             kernel,
             grid=(batch, kv_heads, 1),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), q.dtype),
+            out_specs=pl.BlockSpec((None, None, heads, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((batch, kv_heads, heads, head_dim), q.dtype),
             compiler_params=_triton_params(num_warps, num_stages),
             interpret=interpret,
             name="jaxserve_paged_decode",
@@ -245,22 +312,25 @@ def _decode_triton(
         grid=(batch, kv_heads, splits),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, heads, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, heads), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, heads), lambda b, h, s: (s, b, h, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, heads), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, heads), jnp.float32),
         ],
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="jaxserve_paged_decode",
     )(*operands)
 
-    out = combine_splits(acc, m, l)[:, :, :group]
-    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+    if splits == _next_pow2(splits):  # a Triton block's dimensions are powers of two
+        out = combine_splits_kernel(acc, m, l, q.dtype, interpret=interpret)
+    else:
+        out = combine_splits(acc, m, l).astype(q.dtype)
+    return out[:, :, :group].reshape(batch, q_heads, head_dim)
 
 
 def _triton_params(num_warps: int, num_stages: int):

@@ -64,6 +64,12 @@ def computations(hlo: str) -> dict[str, list[str]]:
     return out
 
 
+def triton_kernels(hlo: str) -> dict[str, int]:
+    """Pallas kernel name (its pallas_call's `name`) -> how many Triton calls the program holds."""
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
+    return dict(Counter(re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', line).group(1) for line in calls))
+
+
 def decode_loop(hlo: str, cache_shape: str) -> dict:
     """The decode iterations' `while` (the one that carries the KV cache): the instructions its body
     runs per iteration, by op, and the kernels among them (each conditional counted once: what runs
@@ -144,7 +150,7 @@ def main() -> None:
                 "compile_s": seconds, "temp_bytes": ma.temp_size_in_bytes, "argument_bytes": ma.argument_size_in_bytes,
                 "alias_bytes": ma.alias_size_in_bytes, "loop": decode_loop(hlo, cache_shape),
                 "cache_copies": cache_copies(hlo, cache_shape),
-                "triton_kernels": hlo.count('custom_call_target="__gpu$xla.gpu.triton"'),
+                "triton_kernels": triton_kernels(hlo),
             }
             print(f"decode {rows}: compiled in {seconds:.1f}s, {report['steps'][str(rows)]['loop']['kernels']} kernels "
                   "per iteration", flush=True)

@@ -192,16 +192,21 @@ def expected_decode_splits(model: Model, page_size: int, batch: int) -> int:
 def test_decode_kernel_lowers_for_cuda(model_name, page_size, batch):
     model = MODELS[model_name]
     lowered = lower_for_cuda(decode_fn(model), *decode_args(model, page_size, batch))
-    assert lowered.as_text().count(TRITON_TARGET) == 1
-    [call] = triton_calls(lowered)
-    assert call.name == "jaxserve_paged_decode"
     splits = expected_decode_splits(model, page_size, batch)
+    # With splits, a second kernel merges them (one program per query head): XLA's merge is three.
+    assert lowered.as_text().count(TRITON_TARGET) == 1 + (splits > 1)
+    call, *combine = triton_calls(lowered)
+    assert call.name == "jaxserve_paged_decode"
     assert call.grid == (batch, model.kv_heads, splits)
     # Batch 1 splits the context so the launch still fills every SM of the H100.
     assert batch * model.kv_heads * splits >= H100_SMS
     assert (call.num_warps, call.num_stages) == (4, 2)
     check_cache_goes_whole_to_the_kernel(lowered, (1, 2))
     check_ttir(call)
+    if combine:
+        assert combine[0].name == "jaxserve_combine_splits"
+        assert combine[0].grid == (batch * model.q_heads, 1, 1)
+        assert "tt.dot" not in combine[0].ttir
 
 
 # --- ragged (prefill) ----------------------------------------------------------------------------
@@ -403,16 +408,16 @@ def compile_for_sm90(triton, call: KernelCall, tmp_path, tag: str = "") -> Any:
 def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
     triton = triton_for_sm90
     f, args = COMPILE_CASES[case]()
-    [call] = triton_calls(lower_for_cuda(f, *args))
-    compiled = compile_for_sm90(triton, call, tmp_path)
-    shared = compiled.metadata.shared
-    assert shared <= H100_MAX_SHARED_BYTES, f"{case}: {shared} bytes of shared memory"
-    usage = resource_usage(triton, compiled.asm["cubin"], tmp_path)
-    if usage is None:
-        return
-    # A spill is local-memory traffic inside the key loop: with 4 warps the ragged kernel's 128-row
-    # tile spilled 160-1,500 bytes a thread at every head shape here.
-    assert usage["REG"] <= 255 and usage["LOCAL"] == 0 and usage["STACK"] == 0, (case, call.num_warps, usage)
+    for call in triton_calls(lower_for_cuda(f, *args)):  # a split decode: the kernel and the merge
+        compiled = compile_for_sm90(triton, call, tmp_path)
+        shared = compiled.metadata.shared
+        assert shared <= H100_MAX_SHARED_BYTES, f"{case}: {shared} bytes of shared memory"
+        usage = resource_usage(triton, compiled.asm["cubin"], tmp_path)
+        if usage is None:
+            continue
+        # A spill is local-memory traffic inside the key loop: with 4 warps the ragged kernel's
+        # 128-row tile spilled 160-1,500 bytes a thread at every head shape here.
+        assert usage["REG"] <= 255 and usage["LOCAL"] == 0 and usage["STACK"] == 0, (case, call.name, usage)
 
 
 def test_float16_dots_take_the_bfloat16_widening_out_of_the_fp8_kernel(triton_for_sm90, tmp_path):

@@ -66,7 +66,7 @@ def check_decode(backend, q, cache, *, windows=(0,), layer=1, **kw):
 
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_decode_kernel_gqa_and_window(backend, group):
     q, cache = decode_case(group, group=group, dtype="float32")
     check_decode(backend, q, cache, scale=0.25, windows=(0, 3), layer=group % NUM_LAYERS)
