@@ -252,6 +252,7 @@ def _decode_triton(
     num_stages: int,
     interpret: bool,
     dot_dtype: Any = None,
+    live_rows: int | None = None,
 ) -> jax.Array:
     batch, q_heads, head_dim = q.shape
     num_layers, kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -261,7 +262,7 @@ def _decode_triton(
 
     pages_per_block = pages_per_block_for(pages_per_block, page_size, max_pages)
     num_blocks = -(-max_pages // pages_per_block)
-    splits = num_splits or default_splits(batch, kv_heads, num_blocks)
+    splits = num_splits or default_splits(live_rows or batch, kv_heads, num_blocks)
     splits = max(1, min(splits, num_blocks))
     blocks_per_split = -(-num_blocks // splits)
     pages_per_split = blocks_per_split * pages_per_block
@@ -363,6 +364,7 @@ def paged_decode_attention_gpu(
     interpret: bool | None = None,
     lowering: str = DEFAULT_LOWERING,
     dot_dtype: Any = None,
+    live_rows: int | None = None,
 ) -> jax.Array:  # [batch, q_heads, head_dim]
     """Decode attention as a Pallas GPU kernel; same semantics as `paged_decode_attention_reference`.
 
@@ -374,6 +376,9 @@ def paged_decode_attention_gpu(
     for the dots (float32 accumulation either way; the output keeps q's dtype). Triton widens e4m3
     to float16 with one instruction per two values on Hopper, and to bfloat16 through float16, so
     "float16" is the candidate `benchmarks/kernels.py` measures against the default.
+
+    `live_rows` (default: all): how many leading rows may hold a sequence, the rest being padding
+    (length 0: zeros out). The default split count fills the GPU with the live rows' programs alone.
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"GPU lowering must be one of {sorted(LOWERINGS)}, got {lowering!r}")
@@ -394,4 +399,5 @@ def paged_decode_attention_gpu(
         num_stages=num_stages,
         interpret=default_interpret() if interpret is None else interpret,
         dot_dtype=dot_dtype,
+        live_rows=live_rows,
     )

@@ -156,11 +156,19 @@ class PagedAttention:
             # tokens than sequences (min_rows: one sequence, two rows for the products) attends
             # its sequences with the decode kernel and gives the extra tokens zeros: the ragged
             # kernel took 37 us a layer for those two rows on an H100, the decode kernel 6.
-            seqs = self.page_tables.shape[0]
+            seqs, rows = self.page_tables.shape[0], q.shape[0]
             lengths = jnp.where(jnp.arange(self.kv_lens.shape[0]) < self.num_seqs, self.kv_lens, 0)
-            out = pallas_kernels.get_decode_attention(self.backend)(
-                q[:seqs], k_pages, v_pages, self.page_tables, lengths, **common)
-            return jnp.pad(out, ((0, q.shape[0] - seqs), (0, 0), (0, 0)))
+            kernel = pallas_kernels.get_decode_attention(self.backend)
+            if self.backend == "pallas_gpu" and rows > seqs:
+                # The GPU kernel attends the padding rows itself (length 0: zeros), with its
+                # splits sized for the real ones: padding its output instead took a kernel per
+                # layer per decode iteration (Llama-3-8B at batch 1 for an H100, tests/gpu_aot),
+                # where these pads are one per iteration, shared by the layers.
+                page_tables = jnp.pad(self.page_tables, ((0, rows - seqs), (0, 0)))
+                lengths = jnp.pad(lengths, (0, rows - seqs))
+                return kernel(q, k_pages, v_pages, page_tables, lengths, live_rows=seqs, **common)
+            out = kernel(q[:seqs], k_pages, v_pages, self.page_tables, lengths, **common)
+            return jnp.pad(out, ((0, rows - seqs), (0, 0), (0, 0)))
         return pallas_kernels.get_ragged_attention(self.backend)(
             q, k_pages, v_pages, self.page_tables, self.cu_q_lens, self.kv_lens, self.num_seqs, **common)
 

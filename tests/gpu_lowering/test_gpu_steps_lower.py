@@ -89,9 +89,12 @@ def test_a_one_sequence_decode_multiplies_two_rows_and_attends_with_the_decode_k
     """XLA:GPU rewrites a one-row product with a weight under 10M elements (k and v here) as a
     multiply + reduce that writes the weight-sized product out (H100, benchmarks/RESULTS.md), so
     batch-1 decode pads its products to two rows; the padding must not switch the attention to the
-    ragged kernel (37 us a layer on the H100 against the decode kernel's 6)."""
+    ragged kernel (37 us a layer on the H100 against the decode kernel's 6). The kernel attends the
+    padding row too (zeros, so no pad of its output per layer), with its 64 splits per kv head sized
+    for the one sequence: partial results [splits, rows, kv_heads, group, head_dim]."""
     _, steps = lowered
     text = steps[("decode", 1)].as_text()
     weights = re.findall(r"stablehlo\.dot_general %\S+, %\S+.*?: \((tensor<[^>]*>), tensor<4096x1024xbf16>\)", text)
     assert weights and all(re.fullmatch(r"tensor<(1x)?2x4096xbf16>", w) for w in weights), weights
     assert "jaxserve_paged_decode" in text and "jaxserve_ragged_paged_attention" not in text
+    assert "tensor<64x2x8x4x128xf32>" in text

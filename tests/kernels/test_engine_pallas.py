@@ -196,3 +196,45 @@ def test_paged_attention_takes_the_kernel_of_its_step(decode, monkeypatch):
     monkeypatch.setattr(pallas_kernels, "get_decode_attention", lambda backend: marker)
     marked = np.asarray(run("pallas_gpu")[0])
     assert (marked == 7.0).all() if decode else not (marked == 7.0).any()
+
+
+def test_a_one_sequence_decode_padded_to_two_rows_attends_both_in_the_gpu_kernel(monkeypatch):
+    """On a GPU a one-sequence decode step has two token rows (runner.min_product_rows). The GPU
+    decode kernel takes both, the padding row with length 0 (zeros out), and sizes its splits for the
+    one sequence (`live_rows`): padding the kernel's output instead was a kernel per layer per
+    decode iteration. The result equals the reference's, which attends the real row only."""
+    import jax
+    import numpy as np
+
+    from jaxserve.engine.kv_cache import KVCache
+
+    rng = np.random.default_rng(1)
+    layers, kv_heads, q_heads, pages, page, dim = 2, 2, 4, 9, 4, 16
+    tables = np.array([[5, 2, 7]], np.int32)
+    kv_len = 10
+    slots = np.array([tables[0, (kv_len - 1) // page] * page + (kv_len - 1) % page, -1], np.int32)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal((layers, kv_heads, pages, page, dim)), jnp.float32)
+                      for _ in range(2)))
+    q = jnp.asarray(rng.standard_normal((1, 2, q_heads, dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 2, kv_heads, dim)), jnp.float32) for _ in range(2))
+    calls = []
+    real = pallas_kernels.get_decode_attention
+
+    def recording(backend):
+        kernel = real(backend)
+        return lambda q, *args, **kwargs: (calls.append((backend, q.shape, kwargs.get("live_rows"))),
+                                           kernel(q, *args, **kwargs))[1]
+
+    monkeypatch.setattr(pallas_kernels, "get_decode_attention", recording)
+
+    def run(backend):
+        attend = attention.paged_attention(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray([0, 1], jnp.int32),
+                                           jnp.asarray([kv_len], jnp.int32), jnp.int32(1), scale=0.25, softcap=None,
+                                           backend=backend, decode=True)
+        return jax.jit(lambda c: attend(q, k, v, c, jnp.int32(0), jnp.int32(1)))(cache)
+
+    (ref_out, ref_cache), (out, new_cache) = run("reference"), run("pallas_gpu")
+    assert calls == [("reference", (1, q_heads, dim), None), ("pallas_gpu", (2, q_heads, dim), 1)]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out)[0, 1], 0.0)  # the padding row
+    np.testing.assert_array_equal(np.asarray(new_cache.v), np.asarray(ref_cache.v))
