@@ -4,14 +4,15 @@ compiled programs say, as JSON.
 
 How: the CUDA PJRT plugin (jax-cuda13-plugin + jax-cuda13-pjrt, the pins of jax's own cuda13
 extra) creates a topology from a target description instead of a local device
-(`get_topology_desc("h100", "cuda", target_config=..., topology="1x1x1")`, XLA's deviceless
-compilation), and `lower(...).compile()` under that mesh runs the whole XLA:GPU pipeline, the
-Pallas Triton kernels included. The plugin is kept out of the project's virtual environment (the
-Makefile installs it into .venv/cuda-aot): imported where no GPU driver is, its version check
-prints a traceback on every jax import, so only this process, with JAX_PLATFORMS=cpu (which skips
-that check), puts it on its path. Without a device XLA skips autotuning (GEMM tiles and split-K
-come from its heuristics) and sorts fall back from CUB; the program's structure (fusions, kernels
-per iteration, buffers, aliasing) is what the device would compile.
+(`get_topology_desc("h100", "cuda", target_config=..., topology="1x1xN")`: N cards on one host,
+XLA's deviceless compilation), and `lower(...).compile()` under that mesh runs the whole XLA:GPU
+pipeline, the Pallas Triton kernels and the collectives of tensor parallelism included. The
+plugin is kept out of the project's virtual environment (the Makefile installs it into
+.venv/cuda-aot): imported where no GPU driver is, its version check prints a traceback on every jax
+import, so only this process, with JAX_PLATFORMS=cpu (which skips that check), puts it on its path.
+Without a device XLA skips autotuning (GEMM tiles and split-K come from its heuristics) and sorts
+fall back from CUB; the program's structure (fusions, kernels per iteration, buffers, aliasing,
+collectives) is what the device would compile.
 
 usage: python gpu_aot_worker.py OUT.json [HLO_DIR]   (with the plugin on PYTHONPATH; HLO_DIR: where to
 write each compiled step's optimized HLO)
@@ -41,11 +42,14 @@ NUM_PAGES = 40_000  # 640k tokens of fp8 cache: 42 GB beside the 16 GB of weight
 MAX_MODEL_LEN = 4096
 MAX_NUM_SEQS = 64
 DECODE_STEPS = 8  # the engine's default on GPUs (jaxserve.startup.resolve_decode_steps)
-DECODE_BUCKETS = (1, 64)
+# (tensor-parallel size, decode buckets): one card at batch 1 and 64, and the batch-64 step split
+# over two cards (kv heads, q heads and the MLP split; an all-reduce after attention and after the MLP).
+STEPS = ((1, (1, 64)), (2, (64,)))
 
 # Instructions of a compiled XLA:GPU program that launch work on the device (a fusion is one
 # kernel; a custom call a Triton kernel or a library call; copies and sorts their own kernels).
-KERNEL_OPS = {"fusion", "custom-call", "copy", "copy-start", "sort", "all-reduce", "all-gather", "reduce-scatter",
+KERNEL_OPS = {"fusion", "custom-call", "copy", "copy-start", "sort", "all-reduce", "all-reduce-start", "all-gather",
+              "all-gather-start", "reduce-scatter", "all-to-all", "collective-permute", "collective-permute-start",
               "scatter", "gather", "reduce", "dynamic-update-slice"}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\(.*?\)|\S+) ([a-z\-]+)\(")
@@ -90,7 +94,9 @@ def cache_copies(hlo: str, cache_shape: str) -> int:
     return sum(1 for m in copies if cache_shape in m.group(1))
 
 
-def main() -> None:
+def compile_steps(tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str | None) -> dict:
+    """The decode steps of `buckets` compiled for `tensor_parallel` H100s (one host), and what the
+    compiled programs say: per-device sizes, memory analysis, the decode loop's ops and kernels."""
     from jax.experimental import topologies
 
     from benchmarks.dummy_model import PRESETS
@@ -106,12 +112,12 @@ def main() -> None:
     from jaxserve.plan import abstract_params, per_chip_bytes
 
     target = TARGET.read_text()
-    topology = topologies.get_topology_desc("h100", "cuda", target_config=target, topology="1x1x1")
+    topology = topologies.get_topology_desc("h100", "cuda", target_config=target,
+                                            topology=f"1x1x{tensor_parallel}")
     mesh = jax.sharding.Mesh(np.array(topology.devices), ("model",))
-    hbm = int(re.search(r"device_memory_size: (\d+)", target).group(1))
     cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024, max_prefill_seqs=8,
-                            max_model_len=MAX_MODEL_LEN, decode_buckets=DECODE_BUCKETS, prefill_buckets=(1024,),
+                            max_model_len=MAX_MODEL_LEN, decode_buckets=buckets, prefill_buckets=(1024,),
                             decode_steps=DECODE_STEPS)
     max_pages = MAX_MODEL_LEN // PAGE_SIZE
     builder = StepInputBuilder(num_slots=MAX_NUM_SEQS + 1, vocab_size=cfg.vocab_size, page_size=PAGE_SIZE,
@@ -126,34 +132,52 @@ def main() -> None:
     shape = KVCache.shape(cfg, NUM_PAGES, PAGE_SIZE)
     kv = KVCache(*(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding.kv_cache()) for _ in range(2)))
     batch = abstract_batch(MAX_NUM_SEQS + 1, cfg.vocab_size, max_pages, sharding.replicated())
-    cache_shape = f"f8e4m3fn[{','.join(map(str, shape))}]"
-    report = {
-        "device": topology.devices[0].device_kind, "hbm_bytes": hbm, "num_layers": cfg.num_layers,
-        "vocab_size": cfg.vocab_size, "weights_bytes": per_chip_bytes(params),
+    # What one device holds: its share of the cache (split by kv head) and of the weights.
+    cache_shape = f"f8e4m3fn[{','.join(map(str, sharding.kv_cache().shard_shape(shape)))}]"
+    weights = per_chip_bytes(params)
+    sizes = {
+        "device": topology.devices[0].device_kind, "devices": len(topology.devices),
+        "weights_bytes": weights,
         # one layer's bfloat16 weights: all but the embedding and the LM head, shared out (as tests/tpu_aot)
-        "layer_bytes": (per_chip_bytes(params) - 2 * cfg.vocab_size * cfg.hidden_size * 2) // cfg.num_layers,
-        "kv_bytes": NUM_PAGES * bytes_per_page(cfg, PAGE_SIZE, kv_dtype), "batch_bytes": per_chip_bytes(batch),
-        "steps": {},
+        "layer_bytes": (weights - 2 * cfg.vocab_size * cfg.hidden_size * 2 // tensor_parallel) // cfg.num_layers,
+        "kv_bytes": NUM_PAGES * bytes_per_page(cfg, PAGE_SIZE, kv_dtype) // tensor_parallel,
+        "batch_bytes": per_chip_bytes(batch),
     }
+    steps = {}
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        for rows in DECODE_BUCKETS:
+        for rows in buckets:
             key = ("decode", rows)
+            name = f"tp{tensor_parallel}-{rows}" if tensor_parallel > 1 else str(rows)
             start = time.perf_counter()
             compiled = programs.lower(key, params, kv, batch, builder.abstract(key)).compile(
                 compiler_options=dict(GPU_COMPILER_OPTIONS))
             seconds = time.perf_counter() - start
             ma = compiled.memory_analysis()
             hlo = compiled.as_text()
-            if len(sys.argv) > 2:  # the compiled programs, to read what each iteration runs
-                Path(sys.argv[2], f"decode{rows}.hlo").write_text(hlo)
-            report["steps"][str(rows)] = {
-                "compile_s": seconds, "temp_bytes": ma.temp_size_in_bytes, "argument_bytes": ma.argument_size_in_bytes,
-                "alias_bytes": ma.alias_size_in_bytes, "loop": decode_loop(hlo, cache_shape),
-                "cache_copies": cache_copies(hlo, cache_shape),
+            if hlo_dir:  # the compiled programs, to read what each iteration runs
+                Path(hlo_dir, f"decode{name}.hlo").write_text(hlo)
+            steps[name] = {
+                **sizes, "compile_s": seconds, "temp_bytes": ma.temp_size_in_bytes,
+                "argument_bytes": ma.argument_size_in_bytes, "alias_bytes": ma.alias_size_in_bytes,
+                "loop": decode_loop(hlo, cache_shape), "cache_copies": cache_copies(hlo, cache_shape),
                 "triton_kernels": triton_kernels(hlo),
             }
-            print(f"decode {rows}: compiled in {seconds:.1f}s, {report['steps'][str(rows)]['loop']['kernels']} kernels "
-                  "per iteration", flush=True)
+            print(f"decode {name}: compiled in {seconds:.1f}s, {steps[name]['loop']['kernels']} kernels per iteration",
+                  flush=True)
+    return steps
+
+
+def main() -> None:
+    from benchmarks.dummy_model import PRESETS
+    from jaxserve.models.config import decoder_config_from_hf
+
+    cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
+    hbm = int(re.search(r"device_memory_size: (\d+)", TARGET.read_text()).group(1))
+    hlo_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    steps = {}
+    for tensor_parallel, buckets in STEPS:
+        steps.update(compile_steps(tensor_parallel, buckets, hlo_dir))
+    report = {"hbm_bytes": hbm, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "steps": steps}
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
 
 

@@ -1,18 +1,21 @@
-"""The engine's decode steps for a random-weight Llama-3-8B (fp8 KV cache, 8 iterations a step,
-batch 1 and 64), compiled by XLA:GPU for an H100 on this GPU-less machine (gpu_aot_worker.py,
-in a subprocess with the CUDA plugin from .venv/cuda-aot): what makes a GPU decode step fast,
-checked on every commit, as tests/tpu_aot does for TPUs.
+"""The engine's decode steps for a random-weight Llama-3-8B (fp8 KV cache, 8 iterations a step),
+compiled by XLA:GPU for H100s on this GPU-less machine (gpu_aot_worker.py, in a subprocess with the
+CUDA plugin from .venv/cuda-aot): batch 1 and 64 on one card, and batch 64 split over two cards
+(tensor parallel). What makes a GPU decode step fast, checked on every commit, as tests/tpu_aot
+does for TPUs:
 
 - The KV cache and the device batch are donated and updated in place: aliased, never copied.
 - No weight is copied: the step's scratch stays below 5% of a layer's weights plus the sampler's
   [rows, vocab] float32 arrays; XLA:GPU's rematerialization (which duplicated kernels when its
   memory estimate counted the donated cache twice) would show here as well as in the kernel count.
-- Weights, cache, batch and scratch fit the card's 80 GB.
+- Each card's weights, cache, batch and scratch fit its 80 GB.
 - Kernels per decode iteration: at batch 1 the step is ~6.4 ms against its 6.0 ms memory floor on
   an H100, and each kernel launch in the iteration costs time beside the bytes it moves. Every
-  layer's attention is one Triton kernel (plus one merging its splits at batch 1), and the loop
-  body holds at most the kernels counted on 2026-11-28 (488 at batch 1, 444 at 64) plus a few: a
-  new kernel per layer (32 more) fails.
+  layer's attention is one Triton kernel (plus one merging its splits where the context is split),
+  and the loop body holds at most the kernels counted on 2026-11-28 plus a few: a new kernel per
+  layer (32 more) fails.
+- Split over two cards, an iteration communicates with two all-reduces a layer (after attention and
+  after the MLP) and a few for the sampler, and gathers nothing.
 - At most two conditionals per iteration (the sampler's): on a GPU each reads its predicate back
   to the host (benchmarks/RESULTS.md, eleventh session).
 """
@@ -31,8 +34,10 @@ pytestmark = pytest.mark.slow
 
 PLUGIN = Path(sys.prefix) / "cuda-aot"  # the Makefile's `make test` installs the CUDA plugin here
 WORKER = Path(__file__).with_name("gpu_aot_worker.py")
-# Kernels per decode iteration, as compiled on 2026-11-28 plus headroom of 8 (fewer than a layer's 32).
-MAX_KERNELS = {"1": 488 + 8, "64": 444 + 8}
+STEPS = ["1", "64", "tp2-64"]  # batch 1 and 64 on one card, batch 64 on two
+# Kernels per decode iteration (collectives included), as compiled on 2026-11-28, plus headroom of
+# 8 (fewer than a layer's 32).
+MAX_KERNELS = {"1": 488 + 8, "64": 444 + 8, "tp2-64": 562 + 8}
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +55,49 @@ def report(tmp_path_factory) -> dict:
 
 
 def test_compiled_for_an_h100(report):
-    assert report["device"] == "NVIDIA H100 80GB HBM3"
-    assert set(report["steps"]) == {"1", "64"}
+    assert {step["device"] for step in report["steps"].values()} == {"NVIDIA H100 80GB HBM3"}
+    assert set(report["steps"]) == set(STEPS)
+    assert report["steps"]["tp2-64"]["devices"] == 2
 
 
-@pytest.mark.parametrize("rows", ["1", "64"])
+@pytest.mark.parametrize("rows", STEPS)
 def test_cache_and_batch_are_updated_in_place(report, rows):
     step = report["steps"][rows]
-    assert step["alias_bytes"] >= report["kv_bytes"] + report["batch_bytes"], step["alias_bytes"]
+    assert step["alias_bytes"] >= step["kv_bytes"] + step["batch_bytes"], step["alias_bytes"]
     assert step["cache_copies"] == 0
 
 
-@pytest.mark.parametrize("rows", ["1", "64"])
+@pytest.mark.parametrize("rows", STEPS)
 def test_no_weight_is_copied_and_the_step_fits(report, rows):
     step = report["steps"][rows]
-    sampler = 16 * max(int(rows), 8) * report["vocab_size"] * 4
-    assert step["temp_bytes"] < 0.05 * report["layer_bytes"] + sampler, step["temp_bytes"]
-    assert step["argument_bytes"] >= report["weights_bytes"] + report["kv_bytes"]
+    sampler = 16 * max(int(rows.split("-")[-1]), 8) * report["vocab_size"] * 4
+    assert step["temp_bytes"] < 0.05 * step["layer_bytes"] + sampler, step["temp_bytes"]
+    assert step["argument_bytes"] >= step["weights_bytes"] + step["kv_bytes"]
     assert step["argument_bytes"] + step["temp_bytes"] <= report["hbm_bytes"]
 
 
-@pytest.mark.parametrize("rows", ["1", "64"])
+@pytest.mark.parametrize("rows", STEPS)
 def test_kernels_per_decode_iteration(report, rows):
     step = report["steps"][rows]
-    # One attention kernel per layer; at batch 1 it splits each sequence 64 ways to fill the card,
-    # and one more kernel per layer merges the splits.
+    # One attention kernel per layer. Where batch x kv heads are too few programs to fill the card
+    # (batch 1; batch 64 over a card's 4 kv heads at TP 2) it splits each context, and one more
+    # kernel per layer merges the splits.
     layers = report["num_layers"]
-    expected = {"jaxserve_paged_decode": layers, **({"jaxserve_combine_splits": layers} if rows == "1" else {})}
+    split = rows != "64"
+    expected = {"jaxserve_paged_decode": layers, **({"jaxserve_combine_splits": layers} if split else {})}
     assert step["triton_kernels"] == expected
     assert step["loop"]["kernels"] <= MAX_KERNELS[rows], step["loop"]
     assert step["loop"]["conditionals"] <= 2, step["loop"]
+
+
+@pytest.mark.parametrize("rows", STEPS)
+def test_collectives_per_decode_iteration(report, rows):
+    ops = report["steps"][rows]["loop"]["ops"]
+    all_reduces = ops.get("all-reduce", 0) + ops.get("all-reduce-start", 0)
+    others = {op: n for op, n in ops.items() if op.startswith(("all-gather", "reduce-scatter", "all-to-all",
+                                                               "collective-permute"))}
+    assert not others, others  # nothing is gathered: the cache, weights and logits stay split
+    if rows.startswith("tp"):
+        assert 2 * report["num_layers"] <= all_reduces <= 2 * report["num_layers"] + 4, ops
+    else:
+        assert all_reduces == 0, ops
