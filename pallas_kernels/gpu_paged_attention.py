@@ -187,6 +187,9 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return out / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 
+MAX_COMBINE_VALUES = 64 * 128  # splits x head_dim of one merge program: Llama-3-8B's at batch 1
+
+
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref):  # [splits, head_dim], [splits], [splits] -> [head_dim]
     o_ref[...] = combine_splits(acc_ref[...], m_ref[...], l_ref[...]).astype(o_ref.dtype)
 
@@ -327,7 +330,9 @@ def _decode_triton(
         name="jaxserve_paged_decode",
     )(*operands)
 
-    if splits == _next_pow2(splits):  # a Triton block's dimensions are powers of two
+    # A Triton block's dimensions are powers of two, and a program holds its row's splits in
+    # registers: up to the size compiled for sm_90 without a spill (tests/gpu_lowering).
+    if splits == _next_pow2(splits) and splits * head_dim <= MAX_COMBINE_VALUES:
         out = combine_splits_kernel(acc, m, l, q.dtype, interpret=interpret)
     else:
         out = combine_splits(acc, m, l).astype(q.dtype)
