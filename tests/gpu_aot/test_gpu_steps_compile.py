@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 PLUGIN = Path(sys.prefix) / "cuda-aot"  # the Makefile's `make test` installs the CUDA plugin here
 WORKER = Path(__file__).with_name("gpu_aot_worker.py")
-STEPS = ["1", "64", "tp2-64"]  # batch 1 and 64 on one card, batch 64 on two
+STEPS = ["1", "64", "tp2-64"]  # [tp<N>-]<batch>: batch 1 and 64 on one card, batch 64 on two
 # Kernels per decode iteration (collectives included), as compiled on 2026-11-28, plus headroom of
 # 8 (fewer than a layer's 32).
 MAX_KERNELS = {"1": 488 + 8, "64": 444 + 8, "tp2-64": 562 + 8}
@@ -60,44 +60,44 @@ def test_compiled_for_an_h100(report):
     assert report["steps"]["tp2-64"]["devices"] == 2
 
 
-@pytest.mark.parametrize("rows", STEPS)
-def test_cache_and_batch_are_updated_in_place(report, rows):
-    step = report["steps"][rows]
+@pytest.mark.parametrize("key", STEPS)
+def test_cache_and_batch_are_updated_in_place(report, key):
+    step = report["steps"][key]
     assert step["alias_bytes"] >= step["kv_bytes"] + step["batch_bytes"], step["alias_bytes"]
     assert step["cache_copies"] == 0
 
 
-@pytest.mark.parametrize("rows", STEPS)
-def test_no_weight_is_copied_and_the_step_fits(report, rows):
-    step = report["steps"][rows]
-    sampler = 16 * max(int(rows.split("-")[-1]), 8) * report["vocab_size"] * 4
+@pytest.mark.parametrize("key", STEPS)
+def test_no_weight_is_copied_and_the_step_fits(report, key):
+    step = report["steps"][key]
+    sampler = 16 * max(int(key.split("-")[-1]), 8) * report["vocab_size"] * 4
     assert step["temp_bytes"] < 0.05 * step["layer_bytes"] + sampler, step["temp_bytes"]
     assert step["argument_bytes"] >= step["weights_bytes"] + step["kv_bytes"]
     assert step["argument_bytes"] + step["temp_bytes"] <= report["hbm_bytes"]
 
 
-@pytest.mark.parametrize("rows", STEPS)
-def test_kernels_per_decode_iteration(report, rows):
-    step = report["steps"][rows]
+@pytest.mark.parametrize("key", STEPS)
+def test_kernels_per_decode_iteration(report, key):
+    step = report["steps"][key]
     # One attention kernel per layer. Where batch x kv heads are too few programs to fill the card
     # (batch 1; batch 64 over a card's 4 kv heads at TP 2) it splits each context, and one more
     # kernel per layer merges the splits.
     layers = report["num_layers"]
-    split = rows != "64"
+    split = key != "64"
     expected = {"jaxserve_paged_decode": layers, **({"jaxserve_combine_splits": layers} if split else {})}
     assert step["triton_kernels"] == expected
-    assert step["loop"]["kernels"] <= MAX_KERNELS[rows], step["loop"]
+    assert step["loop"]["kernels"] <= MAX_KERNELS[key], step["loop"]
     assert step["loop"]["conditionals"] <= 2, step["loop"]
 
 
-@pytest.mark.parametrize("rows", STEPS)
-def test_collectives_per_decode_iteration(report, rows):
-    ops = report["steps"][rows]["loop"]["ops"]
+@pytest.mark.parametrize("key", STEPS)
+def test_collectives_per_decode_iteration(report, key):
+    ops = report["steps"][key]["loop"]["ops"]
     all_reduces = ops.get("all-reduce", 0) + ops.get("all-reduce-start", 0)
     others = {op: n for op, n in ops.items() if op.startswith(("all-gather", "reduce-scatter", "all-to-all",
                                                                "collective-permute"))}
     assert not others, others  # nothing is gathered: the cache, weights and logits stay split
-    if rows.startswith("tp"):
+    if key.startswith("tp"):
         assert 2 * report["num_layers"] <= all_reduces <= 2 * report["num_layers"] + 4, ops
     else:
         assert all_reduces == 0, ops
