@@ -29,6 +29,7 @@ reason recorded here and in `benchmarks/RESULTS.md`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -202,9 +203,7 @@ def combine_splits_kernel(acc: jax.Array, m: jax.Array, l: jax.Array, dtype: Any
     A program holds one row's splits x head_dim float32 values (64 x 128 at batch 1: 32 KiB).
     """
     splits, *rows, head_dim = acc.shape
-    n = 1
-    for r in rows:
-        n *= r
+    n = math.prod(rows)
     acc = acc.reshape(splits, n, head_dim)
     m, l = m.reshape(splits, n), l.reshape(splits, n)
     out = pl.pallas_call(
