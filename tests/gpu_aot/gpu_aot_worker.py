@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # the local backend; the plugin only compiles
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,28 +95,25 @@ def cache_copies(hlo: str, cache_shape: str) -> int:
     return sum(1 for m in copies if cache_shape in m.group(1))
 
 
-def compile_steps(tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str | None) -> dict:
-    """The decode steps of `buckets` compiled for `tensor_parallel` H100s (one host), and what the
-    compiled programs say: per-device sizes, memory analysis, the decode loop's ops and kernels."""
+def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str | None) -> dict:
+    """The decode steps of `buckets` for model `cfg`, compiled for `tensor_parallel` cards of the
+    `target` description (one host), and what the compiled programs say: per-device sizes, memory
+    analysis, the decode loop's ops and kernels."""
     from jax.experimental import topologies
 
-    from benchmarks.dummy_model import PRESETS
     from jaxserve.config import SchedulerConfig
     from jaxserve.engine.buckets import BucketTable
     from jaxserve.engine.device_batch import abstract_batch
-    from jaxserve.engine.kv_cache import KVCache, bytes_per_page
+    from jaxserve.engine.kv_cache import KVCache
     from jaxserve.engine.programs import StepPrograms
     from jaxserve.engine.runner import GPU_COMPILER_OPTIONS, min_product_rows
     from jaxserve.engine.step_inputs import StepInputBuilder
-    from jaxserve.models.config import decoder_config_from_hf
     from jaxserve.parallel import ShardingPlan
     from jaxserve.plan import abstract_params, per_chip_bytes
 
-    target = TARGET.read_text()
     topology = topologies.get_topology_desc("h100", "cuda", target_config=target,
                                             topology=f"1x1x{tensor_parallel}")
     mesh = jax.sharding.Mesh(np.array(topology.devices), ("model",))
-    cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024, max_prefill_seqs=8,
                             max_model_len=MAX_MODEL_LEN, decode_buckets=buckets, prefill_buckets=(1024,),
                             decode_steps=DECODE_STEPS)
@@ -140,7 +138,7 @@ def compile_steps(tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str |
         "weights_bytes": weights,
         # one layer's bfloat16 weights: all but the embedding and the LM head, shared out (as tests/tpu_aot)
         "layer_bytes": (weights - 2 * cfg.vocab_size * cfg.hidden_size * 2 // tensor_parallel) // cfg.num_layers,
-        "kv_bytes": NUM_PAGES * bytes_per_page(cfg, PAGE_SIZE, kv_dtype) // tensor_parallel,
+        "kv_bytes": per_chip_bytes(kv),
         "batch_bytes": per_chip_bytes(batch),
     }
     steps = {}
@@ -172,11 +170,12 @@ def main() -> None:
     from jaxserve.models.config import decoder_config_from_hf
 
     cfg = decoder_config_from_hf(PRESETS["llama-3-8b"])
-    hbm = int(re.search(r"device_memory_size: (\d+)", TARGET.read_text()).group(1))
+    target = TARGET.read_text()
+    hbm = int(re.search(r"device_memory_size: (\d+)", target).group(1))
     hlo_dir = sys.argv[2] if len(sys.argv) > 2 else None
     steps = {}
     for tensor_parallel, buckets in STEPS:
-        steps.update(compile_steps(tensor_parallel, buckets, hlo_dir))
+        steps.update(compile_steps(cfg, target, tensor_parallel, buckets, hlo_dir))
     report = {"hbm_bytes": hbm, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "steps": steps}
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
 
