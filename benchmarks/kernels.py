@@ -242,9 +242,9 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                 # An 8-bit cache's block of 128 keys is half the bytes of a bf16 one: its kernel read
                 # only 1.84 TB/s at 64 and 128 keys per block on the H100 (RESULTS.md), so it tries 256.
                 keys = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
-                # An 8-bit cache may also be widened to float16 for the dots instead of q's bfloat16
-                # (one Triton conversion instruction per two values on Hopper, not a chain).
-                dots = (None, "float16") if kv_dtype.itemsize == 1 and dtype == jnp.bfloat16 else (None,)
+                # An 8-bit cache is widened to float16 for the dots by default (one Triton conversion
+                # per two values on Hopper); bfloat16, one F2F per value more, is timed beside it.
+                dots = ("float16", "bfloat16") if kv_dtype.itemsize == 1 and dtype == jnp.bfloat16 else (None,)
                 ours = [
                     dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages,
                          dot_dtype=dot)

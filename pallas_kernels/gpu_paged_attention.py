@@ -59,6 +59,40 @@ def default_interpret() -> bool:
     return target_platform() != "gpu"
 
 
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def resolve_dot_dtype(q_dtype: Any, cache_dtype: Any, dot_dtype: Any = None) -> jnp.dtype:
+    """The dtype the GPU kernels widen keys and values (and q) to for their dots: `dot_dtype` when
+    given, else float16 for an 8-bit float cache under bfloat16 queries, else q's dtype.
+
+    Why float16 for an fp8 cache: Triton widens e4m3 (and e5m2) to float16 with one instruction
+    per two values on Hopper, and reaches bfloat16 only through float16, one more conversion (an
+    F2F, issued at a fraction of the FP32 rate) per value. Read from the kernel's sm_90 code
+    (tests/gpu_lowering, benchmarks/RESULTS.md): the same tensor-core instructions either way and
+    128 fewer conversions a program. float16 holds every e4m3 and e5m2 value exactly, and holds
+    bfloat16 queries and the softmax's probabilities with 3 more mantissa bits; only a query
+    component beyond 65504 would not fit, and `to_dot_dtype` saturates those."""
+    if dot_dtype is not None:
+        return jnp.dtype(dot_dtype)
+    cache_dtype, q_dtype = jnp.dtype(cache_dtype), jnp.dtype(q_dtype)
+    if cache_dtype.itemsize == 1 and jnp.issubdtype(cache_dtype, jnp.floating) and q_dtype == jnp.bfloat16:
+        return jnp.dtype(jnp.float16)
+    return q_dtype
+
+
+def to_dot_dtype(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` in the kernels' dot dtype; wider values saturate at float16's largest instead of
+    becoming inf (and NaN in the softmax)."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if dtype == jnp.float16:
+        # Clipped in float32: bfloat16 rounds 65504 itself up to 65536, which float16 calls inf.
+        x = jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX)
+    return x.astype(dtype)
+
+
 def pages_per_block_for(pages_per_block: int | None, page_size: int, max_pages: int) -> int:
     """Pages per block of keys: a power of two, by default about 64 keys (a dot needs >= 16)."""
     if pages_per_block is None:
@@ -275,8 +309,8 @@ def _decode_triton(
     qg = q.reshape(batch, kv_heads, group, head_dim)
     if heads != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, heads - group), (0, 0)))
-    if dot_dtype is not None:  # the kernel widens keys and values to q's dtype, and dots in it
-        qg = qg.astype(dot_dtype)
+    # The kernel widens keys and values to q's dtype, and dots in it.
+    qg = to_dot_dtype(qg, resolve_dot_dtype(q.dtype, k_pages.dtype, dot_dtype))
     window_op, layer_op = window_and_layer(window, layer)
 
     kernel = functools.partial(
@@ -376,10 +410,9 @@ def paged_decode_attention_gpu(
     ~64 keys per block, enough splits for ~264 programs); `interpret` defaults to True off-GPU.
     With `layer`, k_pages/v_pages are the stacked cache and only that layer's pages are read.
 
-    `dot_dtype` (for 8-bit caches; default q's dtype): the dtype keys, values and q are widened to
-    for the dots (float32 accumulation either way; the output keeps q's dtype). Triton widens e4m3
-    to float16 with one instruction per two values on Hopper, and to bfloat16 through float16, so
-    "float16" is the candidate `benchmarks/kernels.py` measures against the default.
+    `dot_dtype`: the dtype keys, values and q are widened to for the dots (float32 accumulation
+    either way; the output keeps q's dtype). Default: float16 for an 8-bit float cache under
+    bfloat16 queries, else q's dtype (`resolve_dot_dtype`); `benchmarks/kernels.py` times both.
 
     `live_rows` (default: all): how many leading rows may hold a sequence, the rest being padding
     (length 0: zeros out). The default split count fills the GPU with the live rows' programs alone.

@@ -39,6 +39,8 @@ from pallas_kernels.gpu_paged_attention import (
     block_logits,
     default_interpret,
     pages_per_block_for,
+    resolve_dot_dtype,
+    to_dot_dtype,
     window_and_layer,
 )
 from pallas_kernels.ragged_paged_attention import default_q_block, plan_work_items
@@ -152,6 +154,7 @@ def _ragged_triton(
     # [kv_heads, tokens + q_block, heads, head_dim]: an item's rows are one slice that never runs off the end.
     qg = q.reshape(total, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qg = jnp.pad(qg, ((0, 0), (0, tq), (0, heads - group), (0, 0)))
+    qg = to_dot_dtype(qg, resolve_dot_dtype(q.dtype, k_pages.dtype))  # float16 dots for an fp8 cache
     window_op, layer_op = window_and_layer(window, layer)
 
     kernel = functools.partial(
@@ -161,7 +164,7 @@ def _ragged_triton(
         group=group,
         q_block=tq,
         pages_per_block=pages_per_block,
-        precision=dot_precision(q.dtype),
+        precision=dot_precision(qg.dtype),
     )
     # Every layer of kv head h: the layer is picked inside the kernel (no scalar prefetch in Triton).
     page_block = (num_layers, None, num_pages, page_size, head_dim)

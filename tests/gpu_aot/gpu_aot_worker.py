@@ -75,6 +75,17 @@ def triton_kernels(hlo: str) -> dict[str, int]:
     return dict(Counter(re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', line).group(1) for line in calls))
 
 
+def kernel_operand_types(hlo: str, name: str, index: int) -> list[str]:
+    """The element type of operand `index` of every Triton call named `name` (from the call's
+    operand layout constraints, which list every operand's shape)."""
+    types = set()
+    for line in hlo.splitlines():
+        if 'custom_call_target="__gpu$xla.gpu.triton"' in line and f"{name}/pallas_call" in line:
+            constraints = line.split("operand_layout_constraints={", 1)[1]  # operands' shapes first
+            types.add(re.findall(r"(\w+)\[[\d,]*\]\{", constraints)[index])
+    return sorted(types)
+
+
 def decode_loop(hlo: str, cache_shape: str) -> dict:
     """The decode iterations' `while` (the one that carries the KV cache): the instructions its body
     runs per iteration, by op, and the kernels among them (each conditional counted once: what runs
@@ -159,6 +170,8 @@ def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[in
                 "argument_bytes": ma.argument_size_in_bytes, "alias_bytes": ma.alias_size_in_bytes,
                 "loop": decode_loop(hlo, cache_shape), "cache_copies": cache_copies(hlo, cache_shape),
                 "triton_kernels": triton_kernels(hlo),
+                # The dtype the decode kernel dots in: its q operand's (it widens the cache to it).
+                "decode_dot_types": kernel_operand_types(hlo, "jaxserve_paged_decode", 4),
             }
             print(f"decode {name}: compiled in {seconds:.1f}s, {steps[name]['loop']['kernels']} kernels per iteration",
                   flush=True)

@@ -86,6 +86,9 @@ def test_kernels_per_decode_iteration(report, key):
     split = key != "64"
     expected = {"jaxserve_paged_decode": layers, **({"jaxserve_combine_splits": layers} if split else {})}
     assert step["triton_kernels"] == expected
+    # The fp8 cache is widened to float16 for the dots (one conversion per two values on Hopper;
+    # bfloat16 takes one more per value: pallas_kernels.gpu_paged_attention.resolve_dot_dtype).
+    assert step["decode_dot_types"] == ["f16"]
     assert step["loop"]["kernels"] <= MAX_KERNELS[key], step["loop"]
     assert step["loop"]["conditionals"] <= 2, step["loop"]
 

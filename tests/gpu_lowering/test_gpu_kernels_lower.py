@@ -141,13 +141,13 @@ def check_cache_goes_whole_to_the_kernel(lowered: jax.stages.Lowered, arg_indice
         assert only_kernel, f"cache argument {i} is read by {users}, not only by the kernel"
 
 
-def check_ttir(call: KernelCall, cache_type: str = "bf16") -> None:
+def check_ttir(call: KernelCall, cache_type: str = "bf16", dot_type: str = "bf16") -> None:
     tensor = r"tensor<(\d+)x(\d+)x(\w+)>"
     dots = re.findall(rf"tt\.dot .*: {tensor} \* {tensor} -> {tensor}", call.ttir)
     assert len(dots) == 2, f"{call.name}: expected q.k and p.v, got {dots}"
     for m, k, a_type, k2, n, b_type, m2, n2, acc_type in dots:
         types = (a_type, b_type, acc_type)
-        assert types == ("bf16", "bf16", "f32"), f"{call.name}: dot {a_type} x {b_type} -> {acc_type}"
+        assert types == (dot_type, dot_type, "f32"), f"{call.name}: dot {a_type} x {b_type} -> {acc_type}"
         assert min(map(int, (m, k, n))) >= 16, f"{call.name}: a {m}x{k}x{n} dot is below Triton's 16"
     # The cache is over 4 GiB: its loads must use 64-bit offsets (32-bit ones would wrap around).
     cache_ptrs = re.findall(rf"tt\.addptr .*: tensor<[\dx]+!tt\.ptr<{cache_type}>>, tensor<[\dx]+(i\d+)>", call.ttir)
@@ -266,15 +266,16 @@ def twice_the_pages(args: tuple[S, ...]) -> tuple[S, ...]:
 @pytest.mark.parametrize("cache_dtype, ttir_type", [(jnp.float8_e4m3fn, "f8E4M3FN"), (jnp.float8_e5m2, "f8E5M2")])
 def test_kernels_lower_for_cuda_over_an_8bit_cache(cache_dtype, ttir_type):
     """--kv-cache-dtype fp8: both kernels load the 8-bit pages themselves (half the bytes; no
-    widened copy of the cache in XLA) and widen them in registers, so their dots stay bf16 x bf16
-    with float32 accumulation. The cache is 8 GiB per K, as for bfloat16: 64-bit offsets."""
+    widened copy of the cache in XLA) and widen them in registers to float16, bfloat16 queries
+    included (`resolve_dot_dtype`: one conversion per two values on Hopper), so their dots are
+    f16 x f16 with float32 accumulation. The cache is 8 GiB per K, as for bfloat16: 64-bit offsets."""
     model = MODELS["llama3-8b"]
     for fn, args in ((decode_fn(model), decode_args(model, 16, 64, cache_dtype)),
                      (ragged_fn(model), ragged_args(model, 16, cache_dtype))):
         lowered = lower_for_cuda(fn, *twice_the_pages(args))
         [call] = triton_calls(lowered)
         check_cache_goes_whole_to_the_kernel(lowered, (1, 2))
-        check_ttir(call, cache_type=ttir_type)
+        check_ttir(call, cache_type=ttir_type, dot_type="f16")
 
 
 def test_an_8bit_cache_of_2_to_4_gib_gets_wrapping_offsets():
@@ -421,14 +422,14 @@ def test_kernel_compiles_for_sm90(case, triton_for_sm90, tmp_path):
 
 
 def test_float16_dots_take_the_bfloat16_widening_out_of_the_fp8_kernel(triton_for_sm90, tmp_path):
-    """`dot_dtype=float16` (the candidate for 8-bit caches, benchmarks/RESULTS.md): on sm_90 Triton
-    widens e4m3 to float16 two values per instruction (`cvt.rn.f16x2.e4m3x2`); the default bfloat16
-    dots then convert every value once more (`cvt.bf16.f16`, an F2F in SASS), and float16 dots
-    need none of those."""
+    """The fp8 cache's default float16 dots (`resolve_dot_dtype`, benchmarks/RESULTS.md): on sm_90
+    Triton widens e4m3 to float16 two values per instruction (`cvt.rn.f16x2.e4m3x2`); bfloat16
+    dots convert every value once more (`cvt.bf16.f16`, an F2F in SASS), and the default needs
+    none of those."""
     model = MODELS["llama3-8b"]
     args = twice_the_pages(decode_args(model, 16, 64, jnp.float8_e4m3fn))
     ptx = {}
-    for name, options in (("bfloat16", {}), ("float16", {"dot_dtype": jnp.float16})):
+    for name, options in (("bfloat16", {"dot_dtype": jnp.bfloat16}), ("float16", {})):
         [call] = triton_calls(lower_for_cuda(decode_fn(model, **options), *args))
         ptx[name] = compile_for_sm90(triton_for_sm90, call, tmp_path, f"-{name}").asm["ptx"]
     widen = lambda text: len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", text))  # noqa: E731

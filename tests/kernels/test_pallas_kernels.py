@@ -147,13 +147,44 @@ def test_kernels_read_an_8bit_cache(backend, cache_dtype, q_dtype):
     check_ragged(backend, batch, scale=32**-0.5, windows=(5,))
 
 
-def test_gpu_decode_kernel_dots_an_8bit_cache_in_float16():
-    """dot_dtype="float16" (a tuning candidate for 8-bit caches: benchmarks/kernels.py): keys,
-    values and bfloat16 queries widened to float16 for the dots give the reference's result at
-    bfloat16's tolerance, in q's dtype, with nothing leaking from unwritten slots or other layers."""
+@pytest.mark.parametrize("dot_dtype", ["bfloat16", "float16"])
+def test_gpu_decode_kernel_dots_an_8bit_cache_in_either_16bit_type(dot_dtype):
+    """An 8-bit cache's keys, values and bfloat16 queries widened to float16 (the default) or
+    bfloat16 for the dots give the reference's result at bfloat16's tolerance, in q's dtype, with
+    nothing leaking from unwritten slots or other layers."""
     q, cache = decode_case(31, group=4, dtype="bfloat16", head_dim=32)
     check_decode("pallas_gpu", q, with_cache_dtype(cache, "fp8_e4m3"), scale=32**-0.5, softcap=2.0,
-                 windows=(0, 6), dot_dtype="float16")
+                 windows=(0, 6), dot_dtype=dot_dtype)
+
+
+def test_gpu_kernels_dot_an_fp8_cache_in_float16_and_saturate_large_queries():
+    """The default dot dtype: float16 for an 8-bit float cache under bfloat16 queries (Hopper widens
+    e4m3 to float16 in one instruction per two values, to bfloat16 only through it), q's own
+    otherwise. A query component past float16's range saturates instead of turning the row's
+    softmax into NaN: both kernels stay finite, and equal the reference with that component at
+    65504."""
+    from pallas_kernels.gpu_paged_attention import F16_MAX, resolve_dot_dtype, to_dot_dtype
+
+    bf16, f16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+    assert resolve_dot_dtype(bf16, jnp.float8_e4m3fn) == f16
+    assert resolve_dot_dtype(bf16, jnp.float8_e5m2) == f16
+    assert resolve_dot_dtype(bf16, bf16) == bf16
+    assert resolve_dot_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32
+    assert resolve_dot_dtype(bf16, jnp.float8_e4m3fn, "bfloat16") == bf16
+    x = jnp.array([1e5, -1e6, 3.0, jnp.inf], jnp.bfloat16)
+    assert to_dot_dtype(x, f16).tolist() == [F16_MAX, -F16_MAX, 3.0, F16_MAX]
+
+    q, cache = decode_case(35, group=4, dtype="bfloat16", head_dim=32)
+    q = np.asarray(q).copy()
+    q[-1, 0, 0] = 2e5  # one component of the longest sequence's first head, past float16's 65504
+    clipped = np.clip(q.astype(np.float32), -F16_MAX, F16_MAX).astype(q.dtype)
+    fp8 = with_cache_dtype(cache, "fp8_e4m3")
+    got = np.asarray(get_decode_attention("pallas_gpu")(q, fp8.k_pages, fp8.v_pages, fp8.page_tables, fp8.kv_lens,
+                                                         scale=32**-0.5), np.float32)
+    want = np.asarray(get_decode_attention("reference")(clipped, fp8.k_pages, fp8.v_pages, fp8.page_tables,
+                                                        fp8.kv_lens, scale=32**-0.5), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_tpu_interpret_mode_raises_on_out_of_bounds_page_or_layer():
@@ -210,14 +241,15 @@ def test_gpu_kernels_lower_to_triton_for_h100():
     from pallas_kernels.gpu_ragged_attention import ragged_paged_attention_gpu
 
     decode_args, ragged_args = production_shape_args()
-    # The decode kernel over an 8-bit cache too, widened to float16 for its dots (dot_dtype).
+    # Both kernels over an 8-bit cache too, widened to float16 for their dots (resolve_dot_dtype).
     fp8 = [decode_args[0], *(jax.ShapeDtypeStruct(a.shape, jnp.float8_e4m3fn) for a in decode_args[1:3]),
            *decode_args[3:]]
+    ragged_fp8 = [ragged_args[0], *fp8[1:4], *ragged_args[4:]]
     original = pallas_call_registration.gpu_info_lib.get_gpu_info
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     try:
         for fn, args, kw in ((paged_decode_attention_gpu, decode_args, {}), (ragged_paged_attention_gpu, ragged_args, {}),
-                             (paged_decode_attention_gpu, fp8, {"dot_dtype": "float16"})):
+                             (paged_decode_attention_gpu, fp8, {}), (ragged_paged_attention_gpu, ragged_fp8, {})):
             f = jax.jit(functools.partial(fn, scale=0.1, softcap=50.0, interpret=False, **kw))
             with warnings.catch_warnings():  # the Triton lowering's deprecation notice
                 warnings.simplefilter("ignore")
