@@ -5,12 +5,13 @@
 # A lease is now 15 minutes of device time, the machine's start (minutes) included, so begin with
 #   bash benchmarks/gpu_suite.sh $OUT goals
 # (~5 minutes: issue #17's two goals, served with the fp8 cache as measured best: batch-1 TPOT and
-# output tok/s of one wave of 256), then one of the steps below if time is left.
+# output tok/s of one wave of 256), then one of the steps below if time is left; `fp8_dots` (~1
+# minute) times the fp8 decode kernel's default float16 dots against bfloat16 ones at the wave's shape.
 #
 #   bash benchmarks/gpu_suite.sh [OUT_DIR [STEP...]]   # OUT_DIR: default $OUT (the device tool's) or benchmarks/out/gpu_suite
 #
 # STEPs: correctness kernels step_profile serving (default: all, ~20 minutes), and on request goals,
-# kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
+# fp8_dots, kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
 # fp8: it doubles the tokens that fit, so the concurrency-256 wave needs no preemption), and graphs:
 # the batch-1 step without and with the decode loop and the sampler's conds kept on the device
 # (XLA command buffers; for the served figure, `XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
@@ -97,6 +98,12 @@ if wanted step_profile; then
       --layouts sharded --decode-buckets 1 64 256 --prefill-bucket 2048 --context 1000 --num-pages 16400 \
       --decode-steps "$k" --repeats 20 --engine-requests 1 64
   done
+fi
+if wanted fp8_dots; then
+  # The fp8 kernel's dots in float16 (the default since 2026-11-28: Hopper widens e4m3 to float16 in
+  # one instruction per two values) against bfloat16 (one F2F more per value), 256 rows x 2048.
+  run fp8_dots 150 "$py" -m benchmarks.kernels --batch 256 --context 2048 --page-size 16 --prefill-chunk \
+    --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --skip-jax --out "$out/fp8_dots.json"
 fi
 if wanted kernels_fp8; then
   # 3 pipeline stages as well as 2: an 8-bit block holds half the bytes in flight of a bf16 one

@@ -6,7 +6,8 @@
 Decode (32 q heads, 8 kv heads, head_dim 128, bf16 by default): for every batch x context x page
 size that fits, the time of one attention call and its effective KV bandwidth (bytes of K and V
 the call must read / time) for
-  - ours:      `pallas_kernels.gpu_paged_attention` (best of a few block/split settings),
+  - ours:      `pallas_kernels.gpu_paged_attention` (best of a few block/split settings; with an
+               8-bit cache also `ours_bf16_dots`, its dots in bfloat16 instead of float16),
   - jax:       `jax.experimental.pallas.ops.gpu.paged_attention` (best of its block settings),
   - xla:       the pure-jnp reference as one dense gather + attention (GPU.md's XLA baseline),
   - xla_chunk: the pure-jnp reference with its default page chunking (the CPU serving path).
@@ -242,19 +243,19 @@ def bench_decode(args: argparse.Namespace, device: Any) -> list[dict[str, Any]]:
                 # An 8-bit cache's block of 128 keys is half the bytes of a bf16 one: its kernel read
                 # only 1.84 TB/s at 64 and 128 keys per block on the H100 (RESULTS.md), so it tries 256.
                 keys = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
-                # An 8-bit cache is widened to float16 for the dots by default (one Triton conversion
-                # per two values on Hopper); bfloat16, one F2F per value more, is timed beside it.
-                dots = ("float16", "bfloat16") if kv_dtype.itemsize == 1 and dtype == jnp.bfloat16 else (None,)
                 ours = [
-                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages,
-                         dot_dtype=dot)
+                    dict(scale=scale, pages_per_block=ppb, num_splits=splits, num_warps=warps, num_stages=stages)
                     for ppb in sorted({max(1, n // page_size) for n in keys})
                     for splits in (None, 1)
                     for warps in (4, 8)
                     for stages in args.num_stages
-                    for dot in dots
                 ]
                 measure("ours", paged_decode_attention_gpu, ours)
+                if kv_dtype.itemsize == 1 and dtype == jnp.bfloat16:
+                    # An 8-bit cache is widened to float16 for the dots by default (one conversion
+                    # per two values on Hopper); bfloat16 dots, one F2F per value more, beside it.
+                    measure("ours_bf16_dots", paged_decode_attention_gpu,
+                            [dict(config, dot_dtype="bfloat16") for config in ours])
                 if not args.skip_jax and kv_dtype == dtype:
                     measure("jax", _jax_paged_attention(scale, device.platform != "gpu"), _jax_configs(pages_per_seq),
                             one_layer_call)
@@ -368,6 +369,8 @@ def _cell(result: dict[str, Any] | None, key: str, fmt: str) -> str:
 def print_tables(decode: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> None:
     if decode:
         names = ("ours", "jax", "xla", "xla_chunk")
+        if any("ours_bf16_dots" in r for r in decode):
+            names = ("ours", "ours_bf16_dots", "xla", "xla_chunk")  # an 8-bit cache: jax's kernel has none
         print("\ndecode: ms per call / effective KV TB/s")
         print(f"{'page':>4} {'ctx':>5} {'batch':>5} " + " ".join(f"{n:>17}" for n in names) + "  ours/jax")
         for r in decode:

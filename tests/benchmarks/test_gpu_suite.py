@@ -31,9 +31,11 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "benchmarks/gpu_serving.sh" in summary
     # The 8-bit cache's runs only on request, with the server's flag.
-    fp8 = _dry(tmp_path, "kernels_fp8", "step_profile_fp8", "serving_fp8")
-    assert [line.split("]")[0][1:] for line in fp8] == ["kernels_fp8", "step_profile_fp8_k8", "serving_fp8"]
-    assert "--cache-dtype fp8_e4m3" in fp8[0] and all("--kv-cache-dtype fp8" in line for line in fp8[1:])
+    fp8 = _dry(tmp_path, "fp8_dots", "kernels_fp8", "step_profile_fp8", "serving_fp8")
+    assert [line.split("]")[0][1:] for line in fp8] == ["fp8_dots", "kernels_fp8", "step_profile_fp8_k8",
+                                                         "serving_fp8"]
+    assert all("--cache-dtype fp8_e4m3" in line for line in fp8[:2])
+    assert all("--kv-cache-dtype fp8" in line for line in fp8[2:])
     # The short lease's first command: the served goals alone, inside one device command (10 min).
     [goals] = _dry(tmp_path, "goals")
     assert goals.startswith("[goals] timeout 560 bash benchmarks/gpu_serving.sh") and "--kv-cache-dtype fp8" in goals
@@ -42,7 +44,7 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
 def test_every_flag_it_passes_exists(tmp_path):
     """Each python -m module's --help names every flag the suite gives it (a renamed flag would
     otherwise only show on the GPU, in a lease)."""
-    for line in _dry(tmp_path) + _dry(tmp_path, "kernels_fp8", "step_profile_fp8", "graphs"):
+    for line in _dry(tmp_path) + _dry(tmp_path, "fp8_dots", "kernels_fp8", "step_profile_fp8", "graphs"):
         words = shlex.split(line.split("] ", 1)[1])
         if "-m" not in words or words[words.index("-m") + 1] == "pytest":
             continue
