@@ -43,16 +43,19 @@ done
 echo "server ready after ~${waited}s"
 grep -E "KV cache|ready in|attention:|model:" "$out/server.log"
 
+# Results are labelled with the card they ran on (lent machines were H100s, now H200s).
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | sed 's/^NVIDIA //; s/ .*//' | tr 'A-Z' 'a-z')
+card=${card:-gpu}
 common=(--base-url "http://127.0.0.1:$port" --tokenizer "$model" --input-len "$in_len" --output-len "$out_len"
         --disable-tqdm --num-warmups 2)
 timeout "${SWEEP_TIMEOUT:-330}" "$py" -m benchmarks.serving "${common[@]}" --wait-for-server 420 \
   --concurrency-sweep "${SWEEP:-1,16,64}" --num-prompts-per-concurrency "${PER_CONCURRENCY:-2}" \
-  --label "jaxserve-h100-$backend" \
+  --label "jaxserve-$card-$backend" \
   --result-json "$out/sweep.json" --plot-dir "$out/plots" 2>&1 | tee "$out/sweep.log" | grep -v '^{'
 wave=${WAVE:-256}
 if ((wave > 0)); then
   timeout "${WAVE_TIMEOUT:-200}" "$py" -m benchmarks.serving "${common[@]}" \
-    --max-concurrency "$wave" --num-prompts "$wave" --label "jaxserve-h100-$backend-$wave" \
+    --max-concurrency "$wave" --num-prompts "$wave" --label "jaxserve-$card-$backend-$wave" \
     --result-json "$out/c256.json" 2>&1 | tee "$out/c256.log" | grep -v '^{'
 fi
 # The server's counters after the runs: preemptions (recomputed sequences) say whether the cache
