@@ -161,8 +161,8 @@ def test_gpu_kernels_dot_an_fp8_cache_in_float16_and_saturate_large_queries():
     """The default dot dtype: float16 for an 8-bit float cache under bfloat16 queries (Hopper widens
     e4m3 to float16 in one instruction per two values, to bfloat16 only through it), q's own
     otherwise. A query component past float16's range saturates instead of turning the row's
-    softmax into NaN: both kernels stay finite, and equal the reference with that component at
-    65504."""
+    softmax into NaN: the decode kernel stays finite and equals the reference given that component
+    clipped (the ragged kernel converts q with the same `to_dot_dtype`)."""
     from pallas_kernels.gpu_paged_attention import F16_MAX, resolve_dot_dtype, to_dot_dtype
 
     bf16, f16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
