@@ -97,6 +97,10 @@ class SequenceText:
         self.emitted = 0  # characters of self.text already returned
         self.pending_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
+        # The finish went out in a delta: a request's other samples may still be running, and a
+        # finished one must not be reported again in their deltas (one finish per choice, as
+        # OpenAI streams; metrics count each sample's finish once).
+        self.finish_sent = False
 
     def add(self, token: int, logprob: TokenLogprob | None, check_stops: bool, show_text: bool = True) -> str | None:
         """Feed one token. Returns the stop string if one now matched (the text is cut there)."""
@@ -133,6 +137,8 @@ class SequenceText:
 
     def delta(self, seq: Sequence, index: int, want_logprobs: bool) -> CompletionOutput | None:
         """The output since the last delta, or None when there is nothing new to say."""
+        if self.finish_sent:
+            return None
         limit = len(self.text) if seq.is_finished else max(self.emitted, len(self.text) - self.hold)
         if not seq.is_finished and limit == self.emitted and not self.pending_ids:
             return None
@@ -147,4 +153,5 @@ class SequenceText:
         )
         self.emitted = limit
         self.pending_ids, self.pending_logprobs = [], []
+        self.finish_sent = seq.is_finished
         return out

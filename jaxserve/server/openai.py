@@ -108,6 +108,8 @@ def _refuse_unsupported(req: SamplingFields) -> None:
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise ApiError(400, "best_of: streaming needs best_of == n (the best samples are known only at the end)",
                        "best_of")
+    if req.stream_options is not None and not req.stream:  # vLLM's and OpenAI's refusal: nothing to apply it to
+        raise ApiError(400, "stream_options: only with stream: true", "stream_options")
     if req.stream_options is not None and req.stream_options.include_obfuscation:
         raise ApiError(400, "stream_options.include_obfuscation: no obfuscation padding is sent; set it to false",
                        "stream_options.include_obfuscation")
@@ -384,7 +386,9 @@ def chat_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | N
                 if part.type == "image_url":
                     raise ApiError(400, f"messages[{i}].content[{k}]: this model takes no images (a text-only model)",
                                    f"messages[{i}].content[{k}]", code="not_supported")
-                if part.type != "text" or part.text is None:
+                if part.type == "text" and part.text is None:
+                    raise _no_text(f"messages[{i}].content[{k}]")
+                if part.type != "text":
                     raise not_supported(f"messages[{i}].content", f"content part type {part.type!r}")
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
@@ -409,10 +413,16 @@ def chat_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | N
     return out
 
 
+def _no_text(where: str) -> ApiError:
+    return ApiError(400, f"{where}.text: a text part needs its text (a string)", f"{where}.text")
+
+
 def _template_part(i: int, k: int, part: Any, images: list[tuple[str, str]]) -> dict[str, Any]:
     """One content part as a vision-language template reads it; an image's URL goes to `images`."""
     where = f"messages[{i}].content[{k}]"
-    if part.type == "text" and part.text is not None:
+    if part.type == "text":
+        if part.text is None:
+            raise _no_text(where)
         return {"type": "text", "text": part.text}
     if part.type != "image_url":
         raise not_supported(where, f"content part type {part.type!r}")

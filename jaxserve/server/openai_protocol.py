@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.request import MAX_TOP_LOGPROBS
 from jaxserve.server import accepted_fields
 from jaxserve.server.accepted_fields import KnownFields
 
@@ -115,7 +116,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

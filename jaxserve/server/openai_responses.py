@@ -390,11 +390,14 @@ class Reply:
     def _item_status(self) -> str:
         return self.status if self.status in ("in_progress", "completed") else "incomplete"
 
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
+    def part(self, done: bool = True) -> dict[str, Any]:
+        """The message's text part; not done: as announced when it opens, empty (a delta that opens
+        the message also carries its first text, which goes out as the first output_text.delta)."""
+        return {"type": "output_text", "text": self.text if done else "", "annotations": [],
+                "logprobs": self.logprobs if done else []}
 
-    def item(self) -> dict[str, Any]:
-        status = self._item_status()
+    def item(self, done: bool = True) -> dict[str, Any]:
+        status = self._item_status() if done else "in_progress"
         content = [] if status == "in_progress" else [self.part()]  # the part is announced by its own events
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
@@ -416,7 +419,7 @@ class Reply:
         if key == "reasoning":
             return self.reasoning_item(done)
         if key == "message":
-            return self.item()
+            return self.item(done)
         return self.call_item(key[1], done)
 
     def output(self) -> list[dict[str, Any]]:
@@ -481,8 +484,9 @@ async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
         if kind == "open":
             (key,) = rest
             out = [event("response.output_item.added", output_index=index(key), item=reply.item_of(key, False))]
-            if key == "message":  # empty so far
-                out.append(event("response.content_part.added", **where(key), content_index=0, part=reply.part()))
+            if key == "message":
+                out.append(event("response.content_part.added", **where(key), content_index=0,
+                                 part=reply.part(done=False)))
             return out
         if kind == "reasoning":
             return [event("response.reasoning_text.delta", **where("reasoning"), content_index=0, delta=rest[0])]

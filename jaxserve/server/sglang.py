@@ -207,7 +207,8 @@ async def generate(state: ServerState) -> Response:
     if req.logprob_start_len < -1:
         raise ApiError(400, f"logprob_start_len: must be -1 (none) or >= 0, got {req.logprob_start_len}",
                        "logprob_start_len")
-    sps = _per_prompt(req.sampling_params or SGLangSamplingParams(), len(prompts), "sampling_params")
+    given = req.sampling_params
+    sps = _per_prompt(SGLangSamplingParams() if given is None else given, len(prompts), "sampling_params")
     if not batch and isinstance(req.rid, list):
         raise ApiError(400, "rid: a single prompt takes a single rid", "rid")
     if batch and isinstance(req.rid, str):

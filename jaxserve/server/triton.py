@@ -140,13 +140,16 @@ async def generate_stream(state: ServerState, name: str, version: str | None = N
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
 
     async def events(stream: EngineStream) -> AsyncIterator[bytes]:
-        first = True
+        # n > 1: the samples' increments interleave, so each event names its sample as
+        # TensorRT-LLM's backend does (`sequence_index`), and each sample's text starts with the prompt.
+        started: set[int] = set()
         try:
             async for delta in stream:
                 for o in delta.outputs:
-                    text = (prefix if first else "") + o.text
-                    first = False
-                    yield sse.event(_response(state, body, text))
+                    text = ("" if o.index in started else prefix) + o.text
+                    started.add(o.index)
+                    event = _response(state, body, text)
+                    yield sse.event(event | {"sequence_index": o.index} if params.n > 1 else event)
         except Exception as e:  # Triton has no [DONE]: the error event ends the stream
             yield sse.event(error_event(e, "triton"))
 

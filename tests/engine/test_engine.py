@@ -125,6 +125,25 @@ def test_n_best_of_and_logprobs(engine, smollm2_tokenizer):
     assert best.outputs[0].cumulative_logprob >= max(o.cumulative_logprob for o in res.outputs) - 1e-4
 
 
+def test_each_sample_reports_its_finish_once(engine, smollm2_tokenizer):
+    """n samples that end at different steps: a finished sample's finish goes out in one delta and
+    the sample says nothing more while the others run (streamed choices end once, as OpenAI's do)."""
+    prompt = smollm2_tokenizer.encode("The list:")
+    engine.add_request("once", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, stop=["e"]))
+    deltas, step = [], 0  # (engine step, output)
+    while engine.has_unfinished():
+        step += 1
+        deltas += [(step, o) for r in engine.step() if r.request_id == "once" for o in r.outputs]
+    engine.check_idle_integrity()
+    ends = {}
+    for index in range(3):
+        outs = [(s, o) for s, o in deltas if o.index == index]
+        finishes = [s for s, o in outs if o.finish_reason is not None]
+        assert len(finishes) == 1 and outs[-1][1].finish_reason is not None, (index, [o.finish_reason for _, o in outs])
+        ends[index] = finishes[0]
+    assert len(set(ends.values())) > 1  # the premise: the samples ended in different steps
+
+
 def test_abort_frees_everything(engine, smollm2_tokenizer):
     engine.add_request("abort-me", smollm2_tokenizer.encode(LONG), SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):

@@ -103,6 +103,10 @@ def test_chat_n2_logprobs_and_content_parts(client):
                    for t in content)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=3, stream=True))
     assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role) == [0, 1]
+    # Each choice ends once, in its last chunk, though the other may still be running.
+    ends = [(i, c.choices[0].index) for i, c in enumerate(chunks) if c.choices[0].finish_reason is not None]
+    assert sorted(index for _, index in ends) == [0, 1]
+    assert all(not any(c.choices[0].index == index for c in chunks[i + 1:]) for i, index in ends)
 
 
 def test_chat_template_kwargs_and_return_token_ids(server, smollm2_tokenizer):

@@ -79,8 +79,14 @@ def test_stream_events_in_order_and_equal_to_the_whole_response(client):
     assert final.id == events[0].response.id and final.status == "completed"
     assert final.output[0].content[0].text == whole.output_text and final.output[0].id == events[2].item.id
     assert final.usage.output_tokens == whole.usage.output_tokens
-    # The client's own accumulator checks identities and item order as it goes.
+    # The message opens empty: its text comes only in the deltas (the first delta opens it).
+    assert events[2].item.status == "in_progress" and events[2].item.content == []
+    assert events[3].part.text == "" and deltas[0].delta
+    # The client's own accumulator checks identities and item order as it goes, and adds each
+    # delta to the part it was announced with.
     with client.responses.stream(**kwargs) as stream:
+        snapshots = [e.snapshot for e in stream if e.type == "response.output_text.delta"]
+        assert snapshots[-1] == whole.output_text
         assert stream.get_final_response().output_text == whole.output_text
 
 

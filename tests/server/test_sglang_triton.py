@@ -93,6 +93,9 @@ def test_generate_refuses_images_and_unknown_params(server):
     assert r.status_code == 400 and "max_new_tokenz" in r.json()["error"]["message"]
     r = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"structural_tag": "{}"}})
     assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
+    # An empty list gives no parameters to the one prompt: refused, not taken as the defaults.
+    r = _post(server, "/generate", {"text": PROMPT, "sampling_params": []})
+    assert r.status_code == 400 and "sampling_params: a list needs one entry per prompt (1), got 0" in r.text
 
 
 # ---- Triton ---------------------------------------------------------------------------------------
@@ -116,6 +119,14 @@ def test_triton_generate_stream(server):
     events = post_stream(server.url + f"/v2/models/{MODEL}/generate_stream", body)
     assert "[DONE]" not in events and len(events) > 1
     assert "".join(e["text_output"] for e in events) == whole
+    assert all("sequence_index" not in e for e in events)
+    # Two samples: their increments interleave, each event names its sample, and each sample's
+    # text (prompt first) is the one the whole response gives.
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2}}
+    whole = _post(server, f"/v2/models/{MODEL}/generate", body).json()["text_output"]
+    events = post_stream(server.url + f"/v2/models/{MODEL}/generate_stream", body)
+    assert len(whole) == 2 and {e["sequence_index"] for e in events} == {0, 1}
+    assert ["".join(e["text_output"] for e in events if e["sequence_index"] == i) for i in (0, 1)] == whole
 
 
 def test_model_info_and_readiness_routes(server):
