@@ -423,10 +423,17 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         order: list[str] = []
-        for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
-            request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, ids, dataclasses.replace(p), **(extras[i] if extras else {}))
-            order.append(request_id)
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, ids, dataclasses.replace(p), **(extras[i] if extras else {}))
+                order.append(request_id)
+        except Exception:
+            # A refused prompt refuses the call: the batch's earlier prompts must not stay queued
+            # (the next call would run them and drop their outputs).
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or None) as bar:
             results = run_to_completion(self.engine, order, on_finished=lambda _: bar.update(1))
         return [results[r] for r in order]

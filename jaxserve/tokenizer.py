@@ -266,6 +266,10 @@ def load_tokenizer(
         raise ValueError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
     if chat_template and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
+    elif chat_template and not any(mark in chat_template for mark in ("{{", "{%", "{#")):
+        # No Jinja in it: a path that does not exist, not a template that would render itself as
+        # every prompt (vLLM's rule).
+        raise ValueError(f"chat template {chat_template!r} looks like a file path, but there is no such file")
     return Tokenizer(hf, chat_template or embedded or getattr(hf, "chat_template", None), prompt_special_tokens)
 
 

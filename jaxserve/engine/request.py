@@ -44,7 +44,7 @@ class SamplingParams:
     bad_words_ids: list[list[int]] | None = None  # token sequences never to complete
     seed: int | None = None
     ignore_eos: bool = False
-    stop: list[str] = dataclasses.field(default_factory=list)
+    stop: list[str] = dataclasses.field(default_factory=list)  # one string is one stop string (vLLM's str | list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; 0: chosen token only; N: also the top N
@@ -69,6 +69,10 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # not its characters, each a stop string
+            self.stop = [self.stop]
 
     @property
     def num_samples(self) -> int:

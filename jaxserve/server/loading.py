@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+import socket
 from typing import Any, Awaitable, Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
@@ -50,16 +52,44 @@ class LoadingGate:
             await send({"type": "http.response.body", "body": body})
 
 
+def check_port(host: str, port: int) -> None:
+    """OSError naming the address when host:port cannot be listened on (another server holds it):
+    found before loading a model, not after minutes of it. Hypercorn binds it again at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Hypercorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def serve_while_loading(load: Callable[[], Quart], host: str, port: int, shutdown_timeout: float = 30.0) -> None:
     """Open the port at once, build the real app with `load()` in a worker thread, swap it in, and
     serve until SIGTERM/SIGINT (then drain as `app.serve` does). Blocks; re-raises load errors."""
+
+    check_port(host, port)
 
     async def main() -> None:
         gate = LoadingGate()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if gate.app is None and not stop.is_set():
+                # Loading and compiling run in a thread nothing can interrupt, for minutes on a
+                # large model: a signal now ends the process (nothing is served, nothing to drain).
+                log.warning("%s while the model loads: exiting", sig.name)
+                logging.shutdown()
+                os._exit(128 + sig)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         failed: list[BaseException] = []
 
         async def trigger() -> None:

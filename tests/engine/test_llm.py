@@ -49,4 +49,14 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     assert [c.outputs[0].token_ids for c in chats] == greedy_reference(llm.model, rendered, 3)
     assert llm.chat(conversation, greedy, use_tqdm=False, chat_template=template)[0].outputs[0].token_ids == \
         chats[0].outputs[0].token_ids  # one conversation, not a list of them
+    # vLLM's `stop` may be one string: that string, not each of its characters.
+    whole = text[0].outputs[0].text
+    word = whole.split()[1]
+    cut = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, stop=word),
+                       use_tqdm=False)[0].outputs[0]
+    assert (cut.text, cut.stop_reason) == (whole[: whole.index(word)], word)
+    # A refused prompt refuses the whole call and leaves nothing of the batch queued.
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2], [1, 99999]], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
     llm.close()

@@ -112,3 +112,54 @@ def test_failure_before_streaming_is_a_status():
     assert status == 503 and "device lost" in json.loads(data)["error"]["message"]
     status, data, _ = _post("/v2/models/fake/generate", {"text_input": "x"})
     assert status == 503 and "device lost" in json.loads(data)["error"]
+
+
+def test_a_busy_port_is_refused_before_anything_loads():
+    import socket
+
+    import pytest
+
+    from jaxserve.server.loading import check_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}"):
+            check_port("127.0.0.1", port)
+    check_port("127.0.0.1", port)  # free again
+
+
+def test_a_signal_while_the_model_loads_ends_the_process_at_once(tmp_path):
+    """Ctrl-C (or SIGTERM) during a load that takes minutes: the process exits now, with the
+    signal's status, while /health still says 503."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("import time\nfrom jaxserve.server.loading import serve_while_loading\n"
+              f"serve_while_loading(lambda: time.sleep(600), '127.0.0.1', {port})\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 128 + signal.SIGINT
+        assert time.monotonic() - start < 10
+        assert "SIGINT while the model loads: exiting" in proc.stderr.read()
+    finally:
+        proc.kill()

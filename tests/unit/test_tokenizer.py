@@ -102,3 +102,18 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_chat_template_path_that_does_not_exist_is_refused(tmp_path):
+    """--chat-template takes Jinja text or a file: a value with no Jinja in it that names no file
+    is a mistyped path, refused (it would otherwise render itself as every chat prompt)."""
+    from jaxserve.tokenizer import load_tokenizer
+    from tiny_models import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_tokenizer(tmp_path, chat_template="./missing_template.jinja")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    for template in (str(tmp_path / "t.jinja"), "{{ messages[0].content }}"):
+        assert load_tokenizer(tmp_path, chat_template=template).render_chat(
+            [{"role": "user", "content": "w5"}], add_generation_prompt=False) == "w5"
