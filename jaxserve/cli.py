@@ -54,10 +54,13 @@ def default_model() -> str | None:
     return str(ggufs[0]) if ggufs else None
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    """--hf-overrides: a JSON object, or the parser names what is wrong."""
+def _json_object(text: str | dict[str, Any]) -> dict[str, Any]:
+    """--hf-overrides: a JSON object, or the parser names what is wrong (a --config file may give
+    the mapping itself)."""
     import json
 
+    if isinstance(text, dict):
+        return text
     try:
         value = json.loads(text)
     except ValueError as e:
@@ -341,7 +344,7 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
         if action.type is not None and value is not None and not isinstance(value, list):
             try:
                 value = action.type(value)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
                 raise ConfigError(f"--config {path}: {key}: {e}") from e
         if action.choices is not None and value not in action.choices:
             raise ConfigError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
@@ -444,14 +447,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
                  "structured_output_cache", "structured_output_workers"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.request_timeout is not None and args.request_timeout <= 0:
+    # (`not x > 0` and the like: NaN fails every comparison, so it is refused too.)
+    if args.request_timeout is not None and not args.request_timeout > 0:
         raise ConfigError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    if args.structured_output_timeout <= 0:
+    if not args.structured_output_timeout > 0:
         raise ConfigError(f"--structured-output-timeout must be > 0 seconds, got {args.structured_output_timeout}")
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not 0 < args.kv_cache_memory_fraction <= 1:
         raise ConfigError(f"--kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
+    if not 0 < args.cpu_kv_cache_gib < float("inf"):
+        raise ConfigError(f"--cpu-kv-cache-gib must be a size > 0 in GiB, got {args.cpu_kv_cache_gib}")
     cache_dir = args.cache_dir or default_cache_dir()
     media = _media_policy(args)
     return Config(
@@ -531,7 +537,7 @@ def _media_policy(args: argparse.Namespace) -> MediaPolicy:
     for flag in ("max_image_pixels", "max_image_bytes"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.media_fetch_timeout <= 0:
+    if not args.media_fetch_timeout > 0:
         raise ConfigError(f"--media-fetch-timeout must be > 0 seconds, got {args.media_fetch_timeout}")
     local = args.allowed_local_media_path
     if local is not None and not Path(local).is_dir():
@@ -630,7 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.parallel.distributed.enabled:
         from jaxserve.parallel import multihost
 
-        multihost.initialize(config.parallel.distributed)
+        try:
+            multihost.initialize(config.parallel.distributed)
+        except ValueError as e:  # jax's own words: nothing to auto-detect, a count missing, ...
+            log.error("--distributed: %s (give --coordinator-address, --num-processes and --process-id "
+                      "where the cluster cannot be detected)", e)
+            return 1
         if not multihost.is_leader():
             return _follow(config)
 

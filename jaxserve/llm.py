@@ -276,7 +276,11 @@ class LLM:
         self._require_task("generate", "LLM.generate")
         prompts = _prompt_list(prompts)
         inputs = [self._prompt_inputs(p) for p in prompts]
-        return self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs])
+        outs = self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs])
+        for out, prompt in zip(outs, prompts):  # vLLM's: the prompt's text, None when given as token ids
+            out.prompt = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict)
+                                                                 else None)
+        return outs
 
     def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], dict[str, Any]]:
         """A prompt's token ids and what add_request takes besides: its images (vLLM's

@@ -45,6 +45,7 @@ class RequestOutput:
     num_accepted_draft_tokens: int = 0
     # Per prompt token (None where not requested); set on the first delta only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt: str | None = None  # the offline API's text prompt, as vLLM's outputs carry it
 
     def merge(self, delta: "RequestOutput") -> None:
         """Fold a later delta into this accumulated output (used by the offline API)."""

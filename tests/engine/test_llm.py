@@ -23,9 +23,10 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     expected = greedy_reference(llm.model, prompts, 6)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.prompt_token_ids for o in outs] == prompts and all(o.prompt is None for o in outs)
     text = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(text) == 1 and len(text[0].outputs[0].token_ids) == 3 and text[0].outputs[0].finish_reason == "length"
+    assert text[0].prompt == "w5 w9"  # vLLM's quickstart prints output.prompt
     # Structured output offline: a compiled constraint rides on SamplingParams.
     grammar = llm.structured(choice=["w7", "w9"])
     out = llm.generate([[1, 5]], SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=4, grammar=grammar),
@@ -39,6 +40,7 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     by_dict = llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt": "w5 w9"}], greedy, use_tqdm=False)
     assert by_dict[0].outputs[0].token_ids == expected[1][:3]
     assert by_dict[1].outputs[0].token_ids == text[0].outputs[0].token_ids
+    assert (by_dict[0].prompt, by_dict[1].prompt) == (None, "w5 w9")
     with pytest.raises(ValueError, match="one of 'prompt' and 'prompt_token_ids'"):
         llm.generate({"prompt": "w5", "prompt_token_ids": [1]}, greedy, use_tqdm=False)
     template = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w7{% endif %}"

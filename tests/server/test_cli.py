@@ -87,6 +87,10 @@ def test_yaml_config_and_cli_precedence(tmp_path):
     assert config.model.max_model_len == 512 and config.model.dtype == "bfloat16"
     assert config.server.api_keys == ("secret",)
     assert config.model.served_model_name == "m"
+    # A JSON flag takes YAML's own mapping, or the JSON text the command line takes.
+    cfg.write_text("model: /m\nhf-overrides:\n  rope_theta: 1000.0\nlimit-mm-per-prompt: '{\"image\": 2}'\n")
+    args = parse_args(["--config", str(cfg)])
+    assert args.hf_overrides == {"rope_theta": 1000.0} and args.limit_mm_per_prompt == {"image": 2}
 
 
 @pytest.mark.parametrize(
@@ -98,6 +102,7 @@ def test_yaml_config_and_cli_precedence(tmp_path):
         ("- a\n- b\n", "expected a mapping"),
         ("a: [\n", "not valid YAML"),
         ("distributed: 'false'\n", "distributed must be true or false"),
+        ("hf-overrides: '{bad'\n", "hf-overrides: not JSON"),
     ],
 )
 def test_bad_yaml_is_refused(tmp_path, capsys, yaml_text, message):
@@ -119,6 +124,20 @@ def test_tensor_parallel_size_beyond_the_devices_is_refused():
         config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", "0"]))
     tp = config_from_args(parse_args(["--model", "/m", "--tensor-parallel-size", str(have)])).parallel
     assert tp.tensor_parallel_size == have
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cpu-kv-cache-gib", "nan"], "--cpu-kv-cache-gib must be a size > 0 in GiB, got nan"),
+    (["--cpu-kv-cache-gib", "0"], "--cpu-kv-cache-gib must be a size > 0 in GiB, got 0.0"),
+    (["--request-timeout", "nan"], "--request-timeout must be > 0 seconds, got nan"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0 seconds, got nan"),
+    (["--media-fetch-timeout", "nan"], "--media-fetch-timeout must be > 0 seconds, got nan"),
+])
+def test_sizes_and_timeouts_that_are_no_number_are_refused(argv, message):
+    """Refused when parsed (NaN fails every comparison, so `x <= 0` let it through), never after
+    the model has loaded, or as a traceback."""
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(parse_args(["--model", "/m", *argv]))
 
 
 def test_default_model_is_the_packaged_smollm2():
