@@ -277,9 +277,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         inputs = [self._prompt_inputs(p) for p in prompts]
         outs = self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs])
-        for out, prompt in zip(outs, prompts):  # vLLM's: the prompt's text, None when given as token ids
-            out.prompt = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict)
-                                                                 else None)
+        for out, prompt in zip(outs, prompts):
+            out.prompt = _prompt_text(prompt)
         return outs
 
     def _prompt_inputs(self, prompt: Prompt) -> tuple[list[int], dict[str, Any]]:
@@ -448,6 +447,13 @@ def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """A prompt's text as vLLM's outputs carry it: None when it was given as token ids."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _speculative(config: dict[str, Any] | None) -> dict[str, Any]:
