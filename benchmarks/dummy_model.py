@@ -31,6 +31,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=32, num_key_value_heads=8),
     "llama-3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                         num_attention_heads=64, num_key_value_heads=8),
+    # head_dim 64 (2048 / 32 heads): the TPU cache pads it to 128 lanes (engine/kv_cache.py)
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
     "qwen2.5-7b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", hidden_size=3584,
         intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,

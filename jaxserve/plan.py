@@ -196,10 +196,11 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
     programs = StepPrograms(graphdef, cfg, page_size=page_size, attention_backend=attention_backend, mesh=mesh,
                             params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, params))
     batch = abstract_batch(max_num_seqs + 1, cfg.vocab_size, max_pages_per_seq, sharding.replicated())
-    kv_page = -(-bytes_per_page(cfg, page_size, kv_dtype) // sharding.kv_shards)
+    platform = mesh.devices.flat[0].platform
+    kv_page = -(-bytes_per_page(cfg, page_size, kv_dtype, platform) // sharding.kv_shards)
 
     def kv(pages: int) -> KVCache:
-        shape = KVCache.shape(cfg, pages, page_size)
+        shape = KVCache.shape(cfg, pages, page_size, platform)
         return KVCache(*(jax.ShapeDtypeStruct(shape, kv_dtype, sharding=sharding.kv_cache()) for _ in range(2)))
 
     result = Plan(topology, chip, tensor_parallel_size, hbm, bandwidth, per_chip_bytes(params),
@@ -413,16 +414,22 @@ def format_plan(p: Plan) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The plan's command line (its own: `python -m jaxserve.plan`, not the server's)."""
-    p = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxserve.cli import _HelpFormatter
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
+        """The module's text as written, and each flag's default as the server's --help shows it."""
+
+    p = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__, formatter_class=Formatter)
     p.add_argument("--model", required=True, help="a Hugging Face model directory (only config.json is read)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x2, v6e:2x4 (jax topology names)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="chips to shard the model over")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the weights' and activations' dtype, as the server's --dtype")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="the weights' form, as the server's --quantization (int8: a byte per weight; int4: half a "
                    "byte plus float16 scales and minima per group of 32 rows, the head int8)")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output, in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch (as python -m jaxserve)")
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="largest prefill step, in tokens")
     p.add_argument("--max-prefill-seqs", type=int, default=4, help="most prompts in one prefill step")
@@ -465,11 +472,33 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxserve.plan: {in_flag_words(e)}", file=sys.stderr)
         return 2
+    for flag, value, low in (("--tensor-parallel-size", args.tensor_parallel_size, 1),
+                             ("--page-size", args.page_size, 1), ("--max-prefill-seqs", args.max_prefill_seqs, 1),
+                             ("--num-pages", args.num_pages, 2), ("--max-model-len", args.max_model_len, 1)):
+        if value is not None and value < low:
+            print(f"jaxserve.plan: {flag} must be at least {low}, got {value}", file=sys.stderr)
+            return 2
+    if not 0 < args.kv_cache_memory_fraction <= 1:
+        print(f"jaxserve.plan: --kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}",
+              file=sys.stderr)
+        return 2
     config_json = Path(args.model) / "config.json"
     try:
         cfg = decoder_config_from_hf(json.loads(config_json.read_text()))
     except OSError as e:
         print(f"jaxserve.plan: {config_json}: {e.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # not JSON, or not a decoder (a pooling model has no KV cache to plan)
+        print(f"jaxserve.plan: {config_json}: {e}; the plan is for the decoders the server generates with",
+              file=sys.stderr)
+        return 2
+    try:
+        topology_mesh(args.topology, args.tensor_parallel_size)
+    except ValueError as e:
+        print(f"jaxserve.plan: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # jax's JaxRuntimeError: INVALID_ARGUMENT for a name libtpu does not know
+        print(f"jaxserve.plan: --topology {args.topology}: {e} (e.g. v5e:2x2, v6e:2x4, v5p:2x2x1)", file=sys.stderr)
         return 2
     result = plan(cfg, topology=args.topology, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

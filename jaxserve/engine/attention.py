@@ -109,6 +109,15 @@ def write_layer(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, sl
     return KVCache(new_k, new_v)
 
 
+def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    """`x` [..., D] zero-padded to the cache's `head_dim` (`kv_cache.cache_head_dim`: wider on a TPU).
+    Zero lanes add nothing to q.k (the scale is the model's, passed explicitly), and a zero V lane
+    gives a zero output lane, which the caller slices off."""
+    if x.shape[-1] == head_dim:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
+
+
 @struct.dataclass
 class PagedAttention:
     """The step's attention over the paged cache (an `AttentionFn`): write the layer's new K/V,
@@ -133,6 +142,8 @@ class PagedAttention:
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, window: jax.Array,
                  layer: jax.Array) -> tuple[jax.Array, KVCache]:
         # q: [1, T, q_heads, D]; k, v: [1, T, kv_heads, D] (the step's tokens as one row)
+        head_dim = q.shape[-1]
+        q, k, v = (pad_head_dim(x, cache.k.shape[-1]) for x in (q, k, v))
         cache = write_layer(cache, layer, k[0], v[0], self.slots, self.backend)
         mesh = getattr(self.cache_sharding, "mesh", None)
         if mesh is None or mesh.size == 1:
@@ -141,7 +152,7 @@ class PagedAttention:
             out = self._attend_sharded(mesh, q[0], cache, window, layer)
         if self.cache_sharding is not None:
             cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
-        return out[None], cache
+        return out[None, ..., :head_dim], cache
 
     def _attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, window: jax.Array,
                 layer: jax.Array) -> jax.Array:

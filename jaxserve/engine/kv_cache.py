@@ -5,6 +5,8 @@ the [kv_heads, pages, page_size, head_dim] layout of `pallas_kernels`, stacked o
 buffer per K and V is carried through the layers and updated in place (donated); every kernel and
 write indexes its layer in place. The dtype is the model's, or 8-bit floats (`KV_CACHE_DTYPES`):
 half the bytes per token, so twice the tokens in the same memory and half the KV reads per step.
+On a TPU the cache's head_dim is the model's rounded up to 128 lanes (`cache_head_dim`); the
+attention pads q, k and v to it with zeros and slices the output back.
 Page 0 is the allocator's null page: padding rows write there and nothing valid reads it.
 """
 
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import KV_CACHE_DTYPES, CacheConfig
 from jaxserve.models.config import DecoderConfig
+from pallas_kernels._common import target_platform
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -38,14 +41,35 @@ class KVCache:
         return self.k.shape[3]
 
     @staticmethod
-    def shape(cfg: DecoderConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-        return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    def shape(cfg: DecoderConfig, num_pages: int, page_size: int, platform: str | None = None) -> tuple[int, ...]:
+        """The shape of K (and of V) on `platform` (default: the one being compiled for)."""
+        return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cache_head_dim(cfg.head_dim, platform))
 
     @staticmethod
     def create(cfg: DecoderConfig, num_pages: int, page_size: int, dtype: Any, sharding: Any = None) -> "KVCache":
         shape = KVCache.shape(cfg, num_pages, page_size)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return KVCache(zeros(), zeros())
+
+
+TPU_LANES = 128
+
+
+def cache_head_dim(head_dim: int, platform: str | None = None) -> int:
+    """The cache's head_dim on `platform` (default: the one being compiled for): the model's, or on a
+    TPU the model's rounded up to a multiple of 128 lanes.
+
+    Why: XLA:TPU tiles the two minor dims of an array as (sublanes, 128 lanes). For [..., page_size,
+    64] it avoids padding the lanes by laying the cache out with the pages as the minor dim, which
+    neither the Pallas kernels nor an in-place row write can use: every step then copied the whole
+    cache into the row-major layout and back (scratch of ~3 caches, 1.5 GB read per decode step of
+    a 3-layer model with 10,000 pages, where 128-lane rows read 0.04 GB; v6e, libtpu 0.0.48,
+    `python -m jaxserve.plan`, benchmarks/RESULTS.md). A row-major 64-wide cache would be padded to
+    128 lanes in HBM anyway, so the padding costs no memory the layout could have saved, and every
+    kernel sees its one tested head_dim. Packing K and V of a token into one 128-lane row (as
+    tpu-inference's head_dim-64 kernel does) would halve it, at the price of its own kernels."""
+    platform = platform or target_platform()
+    return -(-head_dim // TPU_LANES) * TPU_LANES if platform == "tpu" else head_dim
 
 
 # --kv-cache-dtype (config.KV_CACHE_DTYPES) -> the cache's dtype (None: the model's). The 8-bit
@@ -95,8 +119,10 @@ def check_cache_dtype(dtype: Any, attention_backend: str, device: Any) -> None:
                          "--attention-backend reference")
 
 
-def bytes_per_page(cfg: DecoderConfig, page_size: int, dtype: Any) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_page(cfg: DecoderConfig, page_size: int, dtype: Any, platform: str | None = None) -> int:
+    """K and V bytes of one page over all layers, as the cache holds it on `platform`."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cache_head_dim(cfg.head_dim, platform) \
+        * jnp.dtype(dtype).itemsize
 
 
 def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: jax.Device, kv_shards: int = 1,
@@ -106,7 +132,7 @@ def num_pages_for(cache: CacheConfig, cfg: DecoderConfig, dtype: Any, device: ja
     With the cache split `kv_shards` ways (tensor parallelism over kv heads), each device holds
     only its share of every page, so that many more pages fit in the same memory.
     `reserve_bytes` (the steps' scratch memory) is set aside before the fraction is taken."""
-    per_page = -(-bytes_per_page(cfg, cache.page_size, dtype) // kv_shards)
+    per_page = -(-bytes_per_page(cfg, cache.page_size, dtype, device.platform) // kv_shards)
     if cache.num_pages is not None:
         return cache.num_pages
     if device.platform == "cpu":

@@ -149,6 +149,23 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
                              "--decode-buckets", "2", "4"])
     # In the flags' words, as the server's own command line says it (test_cli).
     assert code == 2 and "the largest of --decode-buckets (2, 4) must equal --max-num-seqs=8" in capsys.readouterr().err
+    # Every other bad input is one line naming it (exit 2), never a traceback.
+    (tmp_path / "cls").mkdir()
+    classifier = dict(small, architectures=["LlamaForSequenceClassification"])
+    (tmp_path / "cls" / "config.json").write_text(json.dumps(classifier))
+    for argv, said in (
+        (["--topology", "bogus"], "--topology bogus: INVALID_ARGUMENT"),
+        (["--topology", "v6e:2x2", "--tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
+        (["--topology", "v6e:2x2", "--tp", "8"], "--tensor-parallel-size 8: the topology v6e:2x2 has 4 chips"),
+        (["--topology", "v6e:2x2", "--page-size", "0"], "--page-size must be at least 1, got 0"),
+        (["--topology", "v6e:2x2", "--kv-cache-memory-fraction", "0"], "--kv-cache-memory-fraction must be in (0, 1]"),
+        (["--topology", "v6e:2x2", "--model", str(tmp_path / "cls")],
+         "['LlamaForSequenceClassification'] is not supported"),
+    ):
+        argv = ["--model", str(tmp_path), *argv] if "--model" not in argv else argv
+        assert plan_module.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (argv, err)
 
 
 def test_v5e_tp4_small_batches_read_their_floor(tpu_chip):
@@ -219,6 +236,34 @@ def test_an_8bit_kv_cache_halves_the_page_and_the_kv_read(tpu_chip):
     model = lambda s: s.bytes_accessed - s.sampler_bytes  # noqa: E731
     assert model(s16) - model(s8) == pytest.approx(kv_read / 2, rel=0.05)
     assert s8.argument_bytes < s16.argument_bytes - 0.45 * rows * pages_per_row * bf16.kv_page_bytes
+
+
+def test_a_head_dim_64_cache_is_written_and_read_in_place(tpu_chip):
+    """Llama-3.2-1B's layer shapes (head_dim 64) on one v5e chip. XLA:TPU laid a [..., page_size, 64]
+    cache out with the pages as its minor dim, which neither the kernels nor the row write can use,
+    and copied the whole cache around every step (scratch ~3 caches, a decode step reading ~50x
+    its floor). The cache is 128 lanes wide on a TPU (engine/kv_cache.py): a page costs what a
+    head_dim-128 page does, and the steps are in place and read their floor like every other."""
+    from jaxserve.models.config import decoder_config_from_hf
+    from jaxserve.plan import floor_ratio, plan
+
+    tpu_chip("v5e:2x2")
+    cfg = decoder_config_from_hf(dict(_presets().PRESETS["llama-3.2-1b"], num_hidden_layers=2, vocab_size=4096))
+    assert cfg.head_dim == 64
+    rows, pages = 16, 16 * 4096 // 16 + 1
+    p = plan(cfg, topology="v5e:2x2", tensor_parallel_size=1, max_model_len=4096, max_num_seqs=rows,
+             max_num_batched_tokens=256, max_prefill_seqs=4, num_pages=pages, serving_compile=False,
+             decode_buckets=(rows,), prefill_buckets=(256,))
+    assert p.error is None, p.error
+    assert p.kv_page_bytes == 2 * cfg.num_layers * cfg.num_kv_heads * 16 * 128 * 2
+    steps = {s.kind: s for s in p.steps}
+    assert set(steps) == {"prefill", "decode"}
+    for s in p.steps:
+        assert s.alias_bytes >= p.kv_bytes + p.batch_bytes, (s.kind, s.alias_bytes)
+        # no copy of the cache (pages x 2 x 64 KiB = 512 MiB): the scratch is the step's own
+        assert s.temp_bytes < 0.1 * p.kv_bytes, (s.kind, s.temp_bytes, p.kv_bytes)
+    decode = steps["decode"]
+    assert 0.9 <= floor_ratio(decode) <= 1.02, (decode.floor_bytes, decode.bytes_accessed, decode.sampler_bytes)
 
 
 def test_steps_compile_on_a_pool_and_report_in_key_order():
