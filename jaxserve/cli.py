@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import operator
 import os
 import sys
 from pathlib import Path
@@ -426,6 +427,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         names = [names]
     if any(not isinstance(n, str) or not n.strip() for n in names):
         raise ConfigError(f"--served-model-name: names must be non-empty strings, got {names!r}")
+    for key in args.api_key or ():
+        # An empty key matched a request without any Authorization header: `--api-key "$KEY"` with
+        # KEY unset served everyone. Space around a key could never be sent (the header is stripped).
+        if not isinstance(key, str) or not key.strip() or key != key.strip():
+            raise ConfigError(f"--api-key must be a non-empty key without surrounding spaces, got {key!r}")
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -555,6 +561,33 @@ def _name_of(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+# Flags only the generation engine reads, and where the Config keeps each.
+_GENERATION_ONLY = {
+    "--page-size": "cache.page_size", "--num-pages": "cache.num_pages",
+    "--kv-cache-memory-fraction": "cache.kv_cache_memory_fraction", "--cpu-kv-cache-gib": "cache.cpu_kv_cache_bytes",
+    "--kv-cache-dtype": "cache.kv_cache_dtype", "--no-prefix-caching": "cache.enable_prefix_caching",
+    "--max-prefill-seqs": "scheduler.max_prefill_seqs", "--attention-backend": "attention_backend",
+    "--matmul-backend": "matmul_backend", "--decode-steps": "decode_steps",
+    "--speculative-method": "scheduler.speculative_method", "--speculative-model": "model.speculative_model",
+    "--num-speculative-tokens": "scheduler.num_speculative_tokens", "--max-ngram-size": "scheduler.max_ngram_size",
+    "--enable-prompt-embeds": "model.enable_prompt_embeds", "--reasoning-parser": "server.reasoning_parser",
+    "--tool-call-parser / --enable-auto-tool-choice": "server.tool_call_parser", "--max-n": "server.max_n",
+    "--structured-output-*": "server.structured",
+}
+
+
+def check_pooling_flags(config: Config) -> None:
+    """Refuses the flags, set away from their defaults, that only the generation engine reads: a
+    classification or embedding server accepted them and did nothing with them. (`jaxserve.LLM`
+    passes its own defaults for some of them whatever the task, so this is the server's check.)"""
+    default = config_from_args(parse_args(["--model", config.model.model]))
+    ignored = [flag for flag, where in _GENERATION_ONLY.items()
+               if operator.attrgetter(where)(config) != operator.attrgetter(where)(default)]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)}: for generation models only; a classification or embedding model "
+                         "has no KV cache, sampling or decoding")
+
+
 def _follow(config: Config) -> int:
     """A multi-host process other than 0: load its shards, compile the same steps, then run every
     step process 0 sends until process 0 stops. It serves no HTTP."""
@@ -655,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config.parallel.tensor_parallel_size != 1:
                 raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: classification "
                                  "and embedding models run on one device; tensor parallelism is for generation models")
+            check_pooling_flags(config)
             app, classify_engine = build_classify_server(config, task)
             engines.append(classify_engine)  # type: ignore[arg-type]  # shut down the same way
             return app

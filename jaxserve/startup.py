@@ -149,6 +149,20 @@ def resolve_decode_steps(requested: int | None, platform: str | None = None) -> 
     return 1 if (platform or jax.default_backend()) == "cpu" else 8
 
 
+def check_draft_source(cfg: ModelConfig) -> None:
+    """A --speculative-model that cannot be a checkpoint is refused before the served model loads
+    (minutes, for a large one), in the flag's words: the loader's own error named only a path."""
+    if cfg.speculative_model is None:
+        return
+    from jaxserve.weights.safetensors_dir import WeightsError
+    from jaxserve.weights.source import resolve
+
+    try:
+        resolve(cfg.speculative_model, weights=cfg.load_format != "dummy")
+    except ValueError as e:  # WeightsError, or a config.json that is no JSON
+        raise WeightsError(f"--speculative-model: {e}") from e
+
+
 def start_engine(config: "Config", default_max_model_len: int | None = None,
                  skip_tokenizer_init: bool = False) -> tuple["Engine", dict[str, float]]:
     """Load the model, size the KV cache, and compile every step shape: everything before the
@@ -160,6 +174,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     from jaxserve.models import products
 
     start = time.perf_counter()
+    check_draft_source(config.model)
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
     tp = config.parallel.tensor_parallel_size

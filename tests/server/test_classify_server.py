@@ -241,6 +241,35 @@ def test_bucket_flags_are_refused_for_a_classifier(model_dir, flags):
         start_classify_engine(config)
 
 
+def test_generation_only_flags_are_refused_by_a_pooling_server(model_dir, tmp_path):
+    """Flags only generation reads were accepted by a classification or embedding server and did
+    nothing; they are refused, named, before the model loads."""
+    import subprocess
+    import sys
+
+    from jaxserve.cli import check_pooling_flags
+
+    check_pooling_flags(config_from_args(parse_args(["--model", "/m", "--max-num-seqs", "4", "--api-key", "k"])))
+    for flags, named in ((["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+                         (["--num-pages", "64", "--page-size", "32"], "--page-size, --num-pages"),
+                         (["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
+                          "--speculative-method, --num-speculative-tokens"),
+                         (["--speculative-model", "/d", "--num-speculative-tokens", "3"],
+                          "--speculative-method, --speculative-model, --num-speculative-tokens"),
+                         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+                         (["--enable-auto-tool-choice"], "--tool-call-parser / --enable-auto-tool-choice"),
+                         (["--structured-output-workers", "4", "--max-n", "2"], "--max-n, --structured-output-*"),
+                         (["--decode-steps", "4", "--no-prefix-caching"], "--no-prefix-caching, --decode-steps")):
+        with pytest.raises(ValueError, match=re.escape(f"{named}: for generation models only")):
+            check_pooling_flags(config_from_args(parse_args(["--model", "/m", *flags])))
+    directory, _ = model_dir
+    run = subprocess.run([sys.executable, "-m", "jaxserve", "--model", str(directory), "--port", "0",
+                          "--cache-dir", str(tmp_path / "c"), "--kv-cache-dtype", "fp8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "--kv-cache-dtype: for generation models only" in run.stderr, run.stderr
+    assert "model:" not in run.stderr  # refused before loading
+
+
 def test_a_generation_server_refuses_classify(tmp_path):
     """The generation app (a real, uncompiled engine: refusing runs no step) says why."""
     from jaxserve.config import CacheConfig, SchedulerConfig

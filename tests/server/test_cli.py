@@ -3,6 +3,7 @@ CLI-over-YAML precedence, clear refusals, and a real start-up on a tiny model.""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -138,6 +139,37 @@ def test_sizes_and_timeouts_that_are_no_number_are_refused(argv, message):
     the model has loaded, or as a traceback."""
     with pytest.raises(ConfigError, match=message):
         config_from_args(parse_args(["--model", "/m", *argv]))
+
+
+@pytest.mark.parametrize("key", ["", "  ", " k", "k\n"])
+def test_an_api_key_that_would_open_the_server_is_refused(key, tmp_path):
+    """An empty key matched a request with no Authorization at all (`--api-key "$KEY"` with KEY
+    unset served everyone), and one with spaces around it could never be sent."""
+    with pytest.raises(ConfigError, match=re.escape(f"--api-key must be a non-empty key without surrounding spaces, "
+                                                    f"got {key!r}")):
+        config_from_args(parse_args(["--model", "/m", "--api-key", "good", "--api-key", key]))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: /m\napi-key: {json.dumps(key)}\n")  # YAML reads JSON's escapes
+    with pytest.raises(ConfigError, match="--api-key must be a non-empty key"):
+        config_from_args(parse_args(["--config", str(cfg)]))
+    assert config_from_args(parse_args(["--model", "/m", "--api-key", "a b"])).server.api_keys == ("a b",)
+
+
+def test_a_missing_draft_model_is_refused_before_the_served_model_loads(monkeypatch, tmp_path):
+    from jaxserve import startup
+    from jaxserve.weights.safetensors_dir import WeightsError
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the served model was loaded before the draft was checked")
+
+    monkeypatch.setattr(startup, "load", no_load)
+    missing = tmp_path / "draft"
+    config = config_from_args(parse_args(["--speculative-model", str(missing)]))
+    with pytest.raises(WeightsError, match=re.escape(f"--speculative-model: model path '{missing}' does not exist")):
+        startup.start_engine(config)
+    missing.mkdir()
+    with pytest.raises(WeightsError, match="--speculative-model: .* has neither config.json nor a .gguf file"):
+        startup.start_engine(config)
 
 
 def test_default_model_is_the_packaged_smollm2():
