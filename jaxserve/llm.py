@@ -48,8 +48,9 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 @dataclasses.dataclass
 class ClassificationOutput:
-    """vLLM's: one input's class probabilities (the softmax of the logits; a one-output reward
-    head's score as it is, as `/v1/classify` returns it)."""
+    """vLLM's: one input's class probabilities, as `/v1/classify` returns them: the softmax of the
+    logits, a one-label classifier's sigmoid, a regression or reward head's score as it is
+    (`ClassifierConfig.class_activation`)."""
 
     probs: list[float]
 
@@ -336,7 +337,8 @@ class LLM:
         prompt order; the inputs are packed into as few steps as fit."""
         self._require_task("classify", "LLM.classify")
         order, inputs, results = self._pool(prompts, "classifying", use_tqdm)
-        outputs = [ClassificationOutput([float(x) for x in probabilities(r.output)]) for r in results]
+        activation = self.engine.cfg.class_activation  # a classify task's engine runs a ClassifierConfig model
+        outputs = [ClassificationOutput([float(x) for x in probabilities(r.output, activation)]) for r in results]
         return [ClassificationRequestOutput(rid, out, ids) for rid, out, ids in zip(order, outputs, inputs)]
 
     def embed(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, *, dimensions: int | None = None,

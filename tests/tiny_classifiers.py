@@ -43,8 +43,10 @@ TINY_CLASSIFIERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "bert-cls": ("BertConfig", "BertForSequenceClassification", {"id2label": SENTIMENT}),
     "roberta-cls": ("RobertaConfig", "RobertaForSequenceClassification",
                     {"num_labels": 2, "pad_token_id": 1, "max_position_embeddings": 82, "type_vocab_size": 1}),
+    # problem_type "regression": what HF's Trainer writes after fitting one label (its loss is MSE)
     "xlm-roberta-reward": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification",
-                           {"num_labels": 1, "pad_token_id": 1, "max_position_embeddings": 82, "type_vocab_size": 1}),
+                           {"num_labels": 1, "pad_token_id": 1, "max_position_embeddings": 82, "type_vocab_size": 1,
+                            "problem_type": "regression"}),
     # One label: a sentence-transformers CrossEncoder's shape, what /v1/score and /v1/rerank run.
     "bert-cross-encoder": ("BertConfig", "BertForSequenceClassification", {"num_labels": 1}),
 }

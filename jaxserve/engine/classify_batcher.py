@@ -191,11 +191,16 @@ class ClassifyBatcher:
                           tokens, positions, segments, pool_rows, token_types)
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """Softmax over classes; a one-output (reward / regression) head returns its score as is."""
+def probabilities(logits: np.ndarray, activation: str = "softmax") -> np.ndarray:
+    """The class scores of `logits` under `activation` (ClassifierConfig.class_activation):
+    softmax over the classes, sigmoid of each, or the logits as they are."""
     x = np.asarray(logits, np.float64)
-    if x.shape[-1] == 1:
+    if activation == "identity":
         return x
+    if activation == "sigmoid":
+        return 0.5 * (1.0 + np.tanh(0.5 * x))  # 1 / (1 + e^-x), without overflow for large |x|
+    if activation != "softmax":
+        raise ValueError(f"activation must be softmax, sigmoid or identity, got {activation!r}")
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 

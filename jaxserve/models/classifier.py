@@ -85,6 +85,18 @@ class ClassifierConfig(OnABody):
     # of the second token against the first (Qwen3-Reranker's P("yes") over "no"/"yes").
     from_tokens: tuple[str, ...] = ()
     token_difference: bool = False
+    problem_type: str | None = None  # config.json's (HF's loss choice): regression, single_/multi_label_classification
+
+    @property
+    def class_activation(self) -> str:
+        """What turns the head's logits into /v1/classify's `probs` (vLLM's rule, after HF's loss for
+        the config's problem_type): softmax over several labels, sigmoid per label for a
+        multi-label model or a one-label classifier, identity for a regression or reward head."""
+        if self.problem_type == "regression" or self.reward_mlp:
+            return "identity"
+        if self.problem_type == "multi_label_classification" or self.num_labels == 1:
+            return "sigmoid"
+        return "softmax"
 
 
 
@@ -194,6 +206,7 @@ def classifier_config_from_hf(cfg: dict[str, Any], num_classes: int) -> Classifi
         pad_token_id=None if pad is None else int(pad), reward_mlp=arch == "Qwen2ForRewardModel",
         score_activation=score_activation(cfg) if num_classes == 1 else "identity",
         from_tokens=from_tokens[0] if from_tokens else (), token_difference=bool(from_tokens and from_tokens[1]),
+        problem_type=cfg.get("problem_type") or None,
     )
 
 

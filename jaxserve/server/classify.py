@@ -66,7 +66,7 @@ class ClassifyRequest(KnownFields):
     # vLLM's: keep only the last k tokens of each input (-1: the last max_model_len); off by default,
     # so nothing is truncated unless asked.
     truncate_prompt_tokens: int | None = None
-    activation: bool = True  # vLLM's: false returns the raw logits instead of the softmax
+    activation: bool = True  # vLLM's: false returns the raw logits instead of probs (class_activation)
 
 
 class LegacyClassifyRequest(KnownFields):
@@ -225,7 +225,7 @@ def request_ids(rid: str | list[str] | None, count: int, prefix: str) -> list[st
 
 
 def classification(state: ClassifyState, index: int, result: ClassifyResult, activation: bool = True) -> dict[str, Any]:
-    probs = probabilities(result.output) if activation else result.output
+    probs = probabilities(result.output, state.config.class_activation) if activation else result.output
     labels = state.config.labels
     return {"index": index, "label": labels[int(result.output.argmax())], "probs": [float(p) for p in probs],
             "num_classes": len(labels)}

@@ -48,8 +48,16 @@ def test_probs_match_hf_for_a_packed_batch_of_four(tiny):
     num_labels = ref.shape[1]
     assert ours.shape == (4, num_labels) and loaded.config.num_labels == num_labels
     np.testing.assert_allclose(ours, ref.numpy(), atol=1e-5, rtol=0)
-    ref_probs = ref if num_labels == 1 else torch.softmax(ref, dim=-1)
-    np.testing.assert_allclose(probabilities(ours), ref_probs.numpy(), atol=1e-5, rtol=0)
+    # vLLM's reading of the logits: softmax over labels; one label through a sigmoid, unless the
+    # head is a reward model's (Qwen2ForRewardModel) or config.json says regression.
+    if num_labels > 1:
+        ref_probs = torch.softmax(ref, dim=-1)
+    elif name in ("qwen2-reward", "xlm-roberta-reward"):
+        ref_probs = ref
+    else:
+        ref_probs = torch.sigmoid(ref)
+    np.testing.assert_allclose(probabilities(ours, loaded.config.class_activation), ref_probs.numpy(), atol=1e-5,
+                               rtol=0)
 
 
 def test_labels_from_id2label(tiny):

@@ -1,6 +1,6 @@
 """LLM.classify (vLLM's): for a classification or reward checkpoint (task "auto" finds it), one
 ClassificationRequestOutput per prompt, in prompt order, whose probs are HF transformers'
-softmax(logits) within 1e-5 in float32 (a one-output reward head's score as it is); prompts are
+softmax(logits) within 1e-5 in float32 (a one-label head's sigmoid, as vLLM's); prompts are
 text, token ids or vLLM's dicts; the other task's methods are refused naming the task."""
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def test_probs_match_hf_in_prompt_order(tiny):
     assert len({o.request_id for o in outs}) == 4
     logits = hf_logits(hf, inputs, pad_id=0)
     num_labels = logits.shape[1]
-    expected = logits if num_labels == 1 else torch.softmax(logits, dim=-1)
+    # vLLM's: a one-label head (llama-reward: LlamaForSequenceClassification, no problem_type) is
+    # read through a sigmoid; a regression or Qwen2ForRewardModel head as it is (test_classify_server).
+    expected = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, dim=-1)
     assert [o.outputs.num_classes for o in outs] == [num_labels] * 4
     assert all(type(p) is float for o in outs for p in o.outputs.probs)
     np.testing.assert_allclose(np.array([o.outputs.probs for o in outs]), expected.numpy(), atol=1e-5, rtol=0)
