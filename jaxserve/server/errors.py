@@ -126,14 +126,17 @@ def triton_body(e: ApiError) -> dict[str, Any]:
     return {"error": e.message}
 
 
-# vLLM's / SGLang's error type names, which /v1/classify clients see in its flat error body.
+# vLLM's error type names (the HTTP status's phrase), which /v1/classify clients see.
 _CLASSIFY_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError",
                    413: "RequestTooLargeError", 429: "TooManyRequestsError", 500: "InternalServerError",
                    503: "ServiceUnavailableError"}
 
 
 def classify_body(e: ApiError) -> dict[str, Any]:
-    return {"error": e.message, "type": _CLASSIFY_TYPES.get(e.status, "BadRequestError"), "code": e.status}
+    """vLLM's ErrorResponse on its pooling routes: the OpenAI nesting, with the status's name as
+    the type and the status as the code."""
+    return {"error": {"message": e.message, "type": _CLASSIFY_TYPES.get(e.status, "BadRequestError"),
+                      "param": e.param, "code": e.status}}
 
 
 BODIES: dict[str, Callable[[ApiError], dict[str, Any]]] = {

@@ -1,7 +1,7 @@
 """POST /v1/classify on a real server: a tiny classifier started through the CLI's config path,
 served by Hypercorn on a free port. The seed examples (single input, list input) in exactly
-vLLM's / SGLang's shape with HF's probabilities; every error case with its status and flat error
-shape, each followed by a request that succeeds; the legacy SGLang /classify; generation routes
+vLLM's / SGLang's shape with HF's probabilities; every error case with its status and vLLM's error
+body, each followed by a request that succeeds; the legacy SGLang /classify; generation routes
 refused with a reason (and /v1/classify refused by a generation server); `python -m jaxserve`."""
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def test_truncation_and_raw_logits_on_request(live):
     e = np.exp(raw["probs"])
     np.testing.assert_allclose(e / e.sum(), tail, atol=1e-6)
     bad = _post(live, "/v1/classify", {"input": "w5", "truncate_prompt_tokens": MAX_LEN + 1})
-    assert bad.status_code == 400 and f"must be -1 or in [1, {MAX_LEN}]" in bad.json()["error"]
+    assert bad.status_code == 400 and f"must be -1 or in [1, {MAX_LEN}]" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_concurrent_requests_batch_without_changing_results(live):
@@ -177,10 +178,11 @@ def test_errors_then_the_next_request_succeeds(live, body, status, words):
     for path in ("/v1/classify", "/classify"):
         r = _post(live, path, body)
         assert r.status_code == status, r.text
-        err = r.json()
-        assert list(err) == ["error", "type", "code"] and err["code"] == status
+        assert list(r.json()) == ["error"], r.json()  # vLLM's ErrorResponse
+        err = r.json()["error"]
+        assert list(err) == ["message", "type", "param", "code"] and err["code"] == status
         assert err["type"] == {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}[status]
-        assert words in err["error"], err
+        assert words in err["message"], err
         assert _post(live, path, {"input": "w5 w6"}).status_code == 200
 
 
@@ -226,7 +228,7 @@ def test_api_keys_on_a_classification_app(live):
         return r.status_code, json.loads(await r.get_data())
 
     status, body = asyncio.run(go({}))
-    assert status == 401 and body["type"] == "UnauthorizedError" and body["code"] == 401
+    assert status == 401 and body["error"]["type"] == "UnauthorizedError" and body["error"]["code"] == 401
     status, body = asyncio.run(go({"Authorization": "Bearer k1"}))
     assert status == 200 and body["data"][0]["num_classes"] == 3
 
@@ -297,8 +299,9 @@ def test_a_generation_server_refuses_classify(tmp_path):
 
         for path in ("/v1/classify", "/classify"):
             status, body = asyncio.run(go(path))
-            assert status == 400 and list(body) == ["error", "type", "code"]
-            assert "Qwen2ForCausalLM) is a text-generation model with no classification head" in body["error"]
+            assert status == 400 and list(body) == ["error"]
+            said = body["error"]["message"]
+            assert "Qwen2ForCausalLM) is a text-generation model with no classification head" in said
         for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank"):
             status, body = asyncio.run(go(path))
             assert status == 400 and "is served for text generation; embeddings" in body["error"]["message"], body
