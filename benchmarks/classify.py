@@ -159,7 +159,13 @@ def run_hf(model: Path, inputs: list[list[int]], args: argparse.Namespace) -> di
             ids[i, : len(x)] = torch.tensor(x)
             mask[i, : len(x)] = 1
         with torch.no_grad():
-            return torch.softmax(hf(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            logits = hf(input_ids=ids, attention_mask=mask).logits.float()
+        # /v1/classify's probs, as vLLM reads a head after HF's loss for its problem_type.
+        if hf.config.problem_type == "regression":
+            return logits
+        if hf.config.problem_type == "multi_label_classification" or logits.shape[-1] == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)
 
     batch(inputs[:c])  # warm-up
     start = time.perf_counter()

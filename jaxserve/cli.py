@@ -429,9 +429,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--served-model-name: names must be non-empty strings, got {names!r}")
     for key in args.api_key or ():
         # An empty key matched a request without any Authorization header: `--api-key "$KEY"` with
-        # KEY unset served everyone. Space around a key could never be sent (the header is stripped).
-        if not isinstance(key, str) or not key.strip() or key != key.strip():
-            raise ConfigError(f"--api-key must be a non-empty key without surrounding spaces, got {key!r}")
+        # KEY unset served everyone. Space around a key could never be sent (the header is
+        # stripped), nor could anything but printable ASCII (headers arrive as latin-1).
+        if not isinstance(key, str) or not key.strip() or key != key.strip() \
+                or not (key.isascii() and key.isprintable()):
+            raise ConfigError(f"--api-key must be a non-empty key of printable ASCII without surrounding spaces, "
+                              f"got {key!r}")
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -573,6 +576,10 @@ _GENERATION_ONLY = {
     "--enable-prompt-embeds": "model.enable_prompt_embeds", "--reasoning-parser": "server.reasoning_parser",
     "--tool-call-parser / --enable-auto-tool-choice": "server.tool_call_parser", "--max-n": "server.max_n",
     "--structured-output-*": "server.structured",
+    "--quantization-group-size": "model.quantization_group_size",
+    "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
+    "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
+    "--media-fetch-timeout": "media",
 }
 
 
@@ -580,7 +587,7 @@ def check_pooling_flags(config: Config) -> None:
     """Refuses the flags, set away from their defaults, that only the generation engine reads: a
     classification or embedding server accepted them and did nothing with them. (`jaxserve.LLM`
     passes its own defaults for some of them whatever the task, so this is the server's check.)"""
-    default = config_from_args(parse_args(["--model", config.model.model]))
+    default = config_from_args(parse_args([f"--model={config.model.model}"]))  # a path may start with "-"
     ignored = [flag for flag, where in _GENERATION_ONLY.items()
                if operator.attrgetter(where)(config) != operator.attrgetter(where)(default)]
     if ignored:

@@ -488,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"jaxserve.plan: {config_json}: {e.strerror}", file=sys.stderr)
         return 2
+    except KeyError as e:
+        print(f"jaxserve.plan: {config_json}: no {e} (a Hugging Face config.json names the model's sizes)",
+              file=sys.stderr)
+        return 2
     except ValueError as e:  # not JSON, or not a decoder (a pooling model has no KV cache to plan)
         print(f"jaxserve.plan: {config_json}: {e}; the plan is for the decoders the server generates with",
               file=sys.stderr)

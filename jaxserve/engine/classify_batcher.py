@@ -198,7 +198,8 @@ def probabilities(logits: np.ndarray, activation: str = "softmax") -> np.ndarray
     if activation == "identity":
         return x
     if activation == "sigmoid":
-        return 0.5 * (1.0 + np.tanh(0.5 * x))  # 1 / (1 + e^-x), without overflow for large |x|
+        e = np.exp(-np.abs(x))  # never overflows; 1/(1+e^-x) on each side of 0 (no underflow to 0 either)
+        return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     if activation != "softmax":
         raise ValueError(f"activation must be softmax, sigmoid or identity, got {activation!r}")
     e = np.exp(x - x.max(axis=-1, keepdims=True))

@@ -34,6 +34,9 @@ def base_app(state: Any, api_keys: tuple[str, ...], max_request_bytes: int, heal
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.json.sort_keys = False  # keep the servers' field order ("id" first), as clients' logs show it
     app.extensions["jaxserve"] = state
+    if any(not k for k in api_keys):
+        # An empty key equals the token of a request that sends no Authorization at all.
+        raise ValueError("an API key must not be empty: it would let every request in")
     keys = tuple(k.encode() for k in api_keys)
 
     @app.before_request

@@ -16,6 +16,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from quart import Quart
 
 from jaxserve.server.app import begin_drain, hypercorn_config, state_of
+from jaxserve.server.errors import BODIES, ApiError, protocol_of
 
 log = logging.getLogger("jaxserve.server")
 
@@ -44,8 +45,9 @@ class LoadingGate:
             if scope["path"] == "/health":
                 body, content_type = b"", b"text/plain"
             else:
-                body = json.dumps({"error": {"message": "the model is still loading", "type": "service_unavailable",
-                                             "param": None, "code": 503}}).encode()
+                # Each protocol's own error body, as the app answers once loaded.
+                err = ApiError(503, "the model is still loading", code="model_loading")
+                body = json.dumps(BODIES[protocol_of(scope["path"])](err)).encode()
                 content_type = b"application/json"
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", content_type), (b"retry-after", b"5")]})

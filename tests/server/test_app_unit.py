@@ -156,6 +156,16 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(tmp_path):
             except httpx.TransportError:
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.2)
+        # Meanwhile every route answers 503 in its own protocol's error body.
+        said = {path: httpx.post(f"http://127.0.0.1:{port}{path}", json={}, timeout=5) for path in
+                ("/v1/completions", "/v1/classify", "/v2/models/m/generate", "/generate")}
+        assert {r.status_code for r in said.values()} == {503}
+        assert said["/v1/completions"].json()["error"] == {"message": "the model is still loading",
+                                                           "type": "service_unavailable", "param": None,
+                                                           "code": "model_loading"}
+        assert said["/v1/classify"].json()["error"]["type"] == "ServiceUnavailableError"
+        assert said["/v2/models/m/generate"].json() == {"error": "the model is still loading"}
+        assert said["/generate"].json() == {"error": {"message": "the model is still loading"}}
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 128 + signal.SIGINT

@@ -261,7 +261,10 @@ def test_generation_only_flags_are_refused_by_a_pooling_server(model_dir, tmp_pa
                          (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
                          (["--enable-auto-tool-choice"], "--tool-call-parser / --enable-auto-tool-choice"),
                          (["--structured-output-workers", "4", "--max-n", "2"], "--max-n, --structured-output-*"),
-                         (["--decode-steps", "4", "--no-prefix-caching"], "--no-prefix-caching, --decode-steps")):
+                         (["--decode-steps", "4", "--no-prefix-caching"], "--no-prefix-caching, --decode-steps"),
+                         (["--max-image-pixels", "100"], "--limit-mm-per-prompt / --allowed-local-media-path / "
+                          "--allow-remote-media / --max-image-* / --media-fetch-timeout"),
+                         (["--quantization-group-size", "64"], "--quantization-group-size")):
         with pytest.raises(ValueError, match=re.escape(f"{named}: for generation models only")):
             check_pooling_flags(config_from_args(parse_args(["--model", "/m", *flags])))
     directory, _ = model_dir

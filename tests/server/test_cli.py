@@ -141,18 +141,22 @@ def test_sizes_and_timeouts_that_are_no_number_are_refused(argv, message):
         config_from_args(parse_args(["--model", "/m", *argv]))
 
 
-@pytest.mark.parametrize("key", ["", "  ", " k", "k\n"])
+@pytest.mark.parametrize("key", ["", "  ", " k", "k\n", "clé"])
 def test_an_api_key_that_would_open_the_server_is_refused(key, tmp_path):
     """An empty key matched a request with no Authorization at all (`--api-key "$KEY"` with KEY
     unset served everyone), and one with spaces around it could never be sent."""
-    with pytest.raises(ConfigError, match=re.escape(f"--api-key must be a non-empty key without surrounding spaces, "
-                                                    f"got {key!r}")):
+    with pytest.raises(ConfigError, match=re.escape(f"--api-key must be a non-empty key of printable ASCII without "
+                                                    f"surrounding spaces, got {key!r}")):
         config_from_args(parse_args(["--model", "/m", "--api-key", "good", "--api-key", key]))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: /m\napi-key: {json.dumps(key)}\n")  # YAML reads JSON's escapes
     with pytest.raises(ConfigError, match="--api-key must be a non-empty key"):
         config_from_args(parse_args(["--config", str(cfg)]))
     assert config_from_args(parse_args(["--model", "/m", "--api-key", "a b"])).server.api_keys == ("a b",)
+    from jaxserve.server.base_app import base_app
+
+    with pytest.raises(ValueError, match="an API key must not be empty"):  # whoever builds the app
+        base_app(object(), ("k", ""), 1024, healthy=lambda: True)
 
 
 def test_a_missing_draft_model_is_refused_before_the_served_model_loads(monkeypatch, tmp_path):

@@ -153,6 +153,8 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     (tmp_path / "cls").mkdir()
     classifier = dict(small, architectures=["LlamaForSequenceClassification"])
     (tmp_path / "cls" / "config.json").write_text(json.dumps(classifier))
+    (tmp_path / "sizeless").mkdir()
+    (tmp_path / "sizeless" / "config.json").write_text(json.dumps({k: v for k, v in small.items() if k != "hidden_size"}))
     for argv, said in (
         (["--topology", "bogus"], "--topology bogus: INVALID_ARGUMENT"),
         (["--topology", "v6e:2x2", "--tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
@@ -161,6 +163,7 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
         (["--topology", "v6e:2x2", "--kv-cache-memory-fraction", "0"], "--kv-cache-memory-fraction must be in (0, 1]"),
         (["--topology", "v6e:2x2", "--model", str(tmp_path / "cls")],
          "['LlamaForSequenceClassification'] is not supported"),
+        (["--topology", "v6e:2x2", "--model", str(tmp_path / "sizeless")], "config.json: no 'hidden_size'"),
     ):
         argv = ["--model", str(tmp_path), *argv] if "--model" not in argv else argv
         assert plan_module.main(argv) == 2, argv

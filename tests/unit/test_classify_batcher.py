@@ -119,8 +119,9 @@ def test_probabilities():
     np.testing.assert_allclose(p[1], [1 / 3] * 3)
     np.testing.assert_allclose(probabilities(np.array([1000.0, 0.0])), [1.0, 0.0])  # no overflow
     assert probabilities(np.array([-2.5]), "identity").tolist() == [-2.5]  # a reward model's score, as is
-    np.testing.assert_allclose(probabilities(np.array([0.0, 2.0, -800.0]), "sigmoid"),
-                               [0.5, 1 / (1 + np.exp(-2.0)), 0.0], atol=1e-12)  # each label alone, no overflow
+    np.testing.assert_allclose(probabilities(np.array([0.0, 2.0, -40.0, 800.0, -800.0]), "sigmoid"),
+                               [0.5, 1 / (1 + np.exp(-2.0)), 4.248354255291589e-18, 1.0, 0.0],
+                               rtol=1e-12, atol=0)  # each label alone; no overflow, no early underflow
     with pytest.raises(ValueError, match="activation must be softmax, sigmoid or identity, got 'tanh'"):
         probabilities(np.array([1.0]), "tanh")
 
