@@ -208,18 +208,18 @@ def _num_pages(decoder: Decoder, config: EngineConfig, reserve_bytes: int, draft
                                                       reserve_bytes))
     page_size = config.cache.page_size
     # Per device: each cache is split over its own model's kv-head shards.
-    arrays = [bytes_per_page(cfg, page_size, kv_dtype) / 2 / kv_shards]  # one K (or V) array, per page
+    arrays = [bytes_per_page(cfg, page_size, kv_dtype, device.platform) / 2 / kv_shards]  # one K (or V), per page
     if draft is not None:
         draft_mesh = mesh_of(nnx.state(draft))
         draft_shards = ShardingPlan(draft_mesh, draft.cfg).kv_shards if draft_mesh is not None else 1
-        arrays.append(bytes_per_page(draft.cfg, page_size, cache_dtype(config.cache.kv_cache_dtype, draft.dtype))
-                      / 2 / draft_shards)
+        arrays.append(bytes_per_page(draft.cfg, page_size, cache_dtype(config.cache.kv_cache_dtype, draft.dtype),
+                                     device.platform) / 2 / draft_shards)
         if config.cache.num_pages is None:
             num_pages = max(2, int(num_pages * arrays[0] // sum(arrays)))
     if config.attention_backend == "pallas_gpu" and kv_dtype.itemsize == 1:
         num_pages = triton_safe_pages(num_pages, arrays)
     log.info("KV cache: %d pages = %d tokens (%.1f MiB, %s%s)", num_pages, num_pages * page_size,
-             num_pages * bytes_per_page(cfg, page_size, kv_dtype) / kv_shards / 2**20, kv_dtype.name,
+             num_pages * bytes_per_page(cfg, page_size, kv_dtype, device.platform) / kv_shards / 2**20, kv_dtype.name,
              f" per device, split {kv_shards} ways" if kv_shards > 1 else "")
     return num_pages
 

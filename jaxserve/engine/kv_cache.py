@@ -46,8 +46,9 @@ class KVCache:
         return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cache_head_dim(cfg.head_dim, platform))
 
     @staticmethod
-    def create(cfg: DecoderConfig, num_pages: int, page_size: int, dtype: Any, sharding: Any = None) -> "KVCache":
-        shape = KVCache.shape(cfg, num_pages, page_size)
+    def create(cfg: DecoderConfig, num_pages: int, page_size: int, dtype: Any, sharding: Any = None,
+               platform: str | None = None) -> "KVCache":
+        shape = KVCache.shape(cfg, num_pages, page_size, platform)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return KVCache(zeros(), zeros())
 

@@ -135,7 +135,8 @@ class ModelRunner:
             self.graphdef, self.cfg, page_size=page_size, decode_steps=decode_steps,
             attention_backend=attention_backend, min_rows=min_rows, mesh=mesh,
             params_sharding=jax.tree_util.tree_map(lambda a: a.sharding, self.params) if mesh is not None else None)
-        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype, self.programs.kv_sharding)
+        self.kv = KVCache.create(self.cfg, num_pages, page_size, kv_dtype or decoder.dtype, self.programs.kv_sharding,
+                                 platform)  # the platform num_pages_for sized it for
         self.batch = device_batch.create_batch(num_slots, self.cfg.vocab_size, max_pages_per_seq,
                                                self.programs.replicated)
         self.param_leaves = self.programs.flat_params(self.params)  # what the steps take (programs.py)

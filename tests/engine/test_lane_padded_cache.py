@@ -90,7 +90,8 @@ def test_a_lane_padded_cache_answers_as_the_models_head_dim(tiny, monkeypatch):
     assert plain.num_preemptions > 0
 
     # The cache as a TPU holds it; everything else (the reference attention, its CPU write) as here.
-    monkeypatch.setattr(kv_cache, "target_platform", lambda: "tpu")
+    as_on_tpu = kv_cache.cache_head_dim
+    monkeypatch.setattr(kv_cache, "cache_head_dim", lambda head_dim, platform=None: as_on_tpu(head_dim, "tpu"))
     padded = build_engine(model, tokenizer, CONFIG)
     assert padded.runner.kv.k.shape[-1] == padded.runner.kv.v.shape[-1] == 128
     got = _serve(padded, "padded")
