@@ -152,8 +152,29 @@ class OutputStream:
                 text, calls = text + more_text, calls + more_calls
         self.called = self.called or bool(calls)
         body: dict[str, Any] = {"reasoning_content": thought} if thought else {}
-        if text or not (finish_reason or thought or calls):
+        # A forced call's held text says nothing until the call is whole: an empty delta (the
+        # stream skips it), not content "" that a client would add up to "" instead of null.
+        if text or not (finish_reason or thought or calls or self.plan.forced is not None):
             body["content"] = text
         if calls:
-            body["tool_calls"] = calls
+            body["tool_calls"] = one_entry_per_call(calls)
         return body
+
+
+def one_entry_per_call(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`delta.tool_calls` with the entries of one index merged (the name and the first arguments
+    came as two): OpenAI and vLLM send one entry per call per chunk, and a client that keys a
+    chunk's entries by index would keep only the last."""
+    merged: dict[int, dict[str, Any]] = {}
+    for entry in calls:
+        into = merged.get(entry["index"])
+        if into is None:
+            merged[entry["index"]] = {**entry, "function": dict(entry.get("function", {}))}
+            continue
+        for key, value in entry.items():
+            if key == "function":
+                for name, part in value.items():
+                    into["function"][name] = into["function"].get(name, "") + part if name == "arguments" else part
+            elif key != "index":
+                into.setdefault(key, value)
+    return list(merged.values())

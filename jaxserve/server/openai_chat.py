@@ -156,6 +156,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
                 finish = o.finish_reason
                 if finish is not None and out.called:
                     finish = answers.tool_finish(plan.forced, finish)
+                if not delta_body and finish is None and o.logprobs is None and not req.return_token_ids:
+                    continue  # nothing to say yet (a forced call is sent whole)
                 choice = {"index": o.index, "delta": delta_body, "logprobs": None,
                           "finish_reason": finish, "stop_reason": o.stop_reason}
                 if o.logprobs is not None:

@@ -100,13 +100,16 @@ def only_one(specs: list[GuideSpec | None]) -> GuideSpec | None:
 
 # Keywords outlines-core turns into its regex, faithfully. Anything else it would silently ignore
 # (minimum, multipleOf, uniqueItems, ...), so such schemas go to llguidance, which enforces more
-# and reports what it cannot.
+# and reports what it cannot. Not `pattern`: outlines-core (0.2) splices the pattern between the
+# string's quotes as it is, so a pattern that admits `"` or `\` (`^[^@]+$`) let the model close
+# the string early and write keys the schema forbids, or no JSON at all.
 OUTLINES_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf", "$ref", "$defs",
-    "definitions",
+    "minLength", "maxLength", "format", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
 })
-OUTLINES_FORMATS = frozenset({"date", "date-time", "time", "uuid", "email", "uri"})
+# Formats whose outlines-core regex cannot contain `"` or `\` (its email and uri regexes can,
+# with the same escape as a pattern's).
+OUTLINES_FORMATS = frozenset({"date", "date-time", "time", "uuid"})
 ANNOTATIONS = frozenset({
     "title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
     "readOnly", "writeOnly",
@@ -151,7 +154,48 @@ def outlines_honours(schema: dict[str, Any]) -> bool:
             return False
     if schema.get("type") == "object" and not schema.get("properties"):
         return False  # outlines-core's "any object" automaton is huge (22 s, 26 MB for SmolLM2)
-    return True
+    return not recursive_refs(schema)
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def recursive_refs(schema: dict[str, Any]) -> bool:
+    """Whether a `$ref` can reach itself (a tree's node, or the root "#"), or is one this check
+    cannot follow. outlines-core unrolls a recursive schema to a fixed depth and, where it stops,
+    writes an object with a dangling comma and without its required keys; llguidance recurses."""
+    targets = {"#": schema}
+    for key in _DEFINITIONS:
+        for name, sub in (schema.get(key) or {}).items():
+            targets[f"#/{key}/{name}"] = sub
+
+    def refs(node: Any) -> set[str]:
+        found: set[str] = set()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref" and isinstance(value, str):
+                    found.add(value)
+                elif key not in _DEFINITIONS:  # definitions are reached through their refs
+                    found |= refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                found |= refs(value)
+        return found
+
+    edges = {name: refs(sub) for name, sub in targets.items()}
+    if any(ref not in targets for out in edges.values() for ref in out):
+        return True
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def cycle(name: str) -> bool:
+        state[name] = 1
+        for ref in edges[name]:
+            if state.get(ref) == 1 or (ref not in state and cycle(ref)):
+                return True
+        state[name] = 2
+        return False
+
+    return cycle("#")
 
 
 def close_objects(schema: Any) -> Any:

@@ -152,3 +152,22 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
 
 def test_encoders_listed():
     assert ENCODERS <= set(TINY_CLASSIFIERS)
+
+
+@pytest.mark.parametrize("arch, labels, problem_type, activation", [
+    ("LlamaForSequenceClassification", 3, None, "softmax"),
+    ("LlamaForSequenceClassification", 3, "single_label_classification", "softmax"),
+    ("LlamaForSequenceClassification", 3, "multi_label_classification", "sigmoid"),
+    ("LlamaForSequenceClassification", 1, None, "sigmoid"),
+    ("LlamaForSequenceClassification", 1, "regression", "identity"),
+    ("Qwen2ForRewardModel", 1, None, "identity"),
+])
+def test_the_class_activation_is_vllms(arch, labels, problem_type, activation):
+    """vLLM's classify activation, after HF's loss for the config's problem_type; a one-label head
+    reads as a sigmoid unless it is a regression or a reward model's."""
+    from jaxserve.models.classifier import classifier_config_from_hf
+
+    cfg = dict(architectures=[arch], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+               num_labels=labels, **({"problem_type": problem_type} if problem_type else {}))
+    assert classifier_config_from_hf(cfg, labels).class_activation == activation

@@ -106,6 +106,24 @@ def test_schema_routing(compiler):
     ranged = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}}
     assert isinstance(compiler.get(S.json_schema(ranged, "s")), LLGuidanceGrammar)  # outlines ignores ranges
     assert isinstance(compiler.get(S.json_object("response_format")), LLGuidanceGrammar)
+    # Non-recursive references stay with outlines-core; a schema that refers to itself does not.
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}}, "required": ["v", "kids"]}
+    pt = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}
+    assert isinstance(compiler.get(S.json_schema({"$defs": {"pt": pt}, "type": "object", "properties": {
+        "a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}}, "s")), OutlinesGrammar)
+    for recursive in ({"$defs": {"node": node}, "$ref": "#/$defs/node"},
+                      {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},
+                      {"$defs": {"a": {"type": "array", "items": {"$ref": "#/definitions/b"}}},
+                       "definitions": {"b": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
+                       "$ref": "#/$defs/a"}):
+        assert S.recursive_refs(recursive) and not S.outlines_honours(recursive)
+        assert isinstance(compiler.get(S.json_schema(recursive, "s")), LLGuidanceGrammar)
+    # outlines-core puts a pattern, and its email and uri regexes, between the quotes unescaped
+    for string in ({"type": "string", "pattern": "^[^@]+$"}, {"type": "string", "format": "uri"},
+                   {"type": "string", "format": "email"}):
+        schema = {"type": "object", "properties": {"x": string}, "required": ["x"]}
+        assert isinstance(compiler.get(S.json_schema(schema, "s")), LLGuidanceGrammar)
 
 
 @pytest.mark.parametrize("make, value, message", [
@@ -167,6 +185,35 @@ def test_lru_and_shared_compiles(vocab, smollm2_tokenizer):
 
 
 # ---- matchers -------------------------------------------------------------------------------------
+def _takes(matcher, tokenizer, text: str) -> bool:
+    """Whether the matcher takes every token of `text` and then may end."""
+    return all(matcher.advance(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_the_schemas_the_audit_broke_keep_their_outputs_valid(compiler, smollm2_tokenizer):
+    """Outputs the server returned with finish_reason "stop" (black-box audit, twenty-fourth
+    session) are refused now, and valid ones still taken."""
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 1}},
+        "required": ["v", "kids"], "additionalProperties": False}
+    tree = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    uri = {"type": "object", "properties": {"x": {"type": "string", "format": "uri"}}, "required": ["x"],
+           "additionalProperties": False}
+    pattern = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^[^@]+$"}}, "required": ["x"],
+               "additionalProperties": False}
+    cases = [
+        (tree, '{"v": 1, "kids": [{"v": 2, "kids": []}]}',
+         '{ "v": 1, "kids": [{ "v": 1, "kids": [{ "v": 1, "kids": [{ "v": 1, } ] } ]} ]}'),
+        (uri, '{"x": "https://example.com/a"}', '{"x": "https://example.com/a","y":"b"}'),
+        (uri, '{"x": "https://example.com/a"}', '{"x": "https://a.com/""}'),
+        (pattern, '{"x": "world"}', '{"x":"world","y":"c"}'),
+    ]
+    for schema, good, bad in cases:
+        grammar = compiler.get(S.json_schema(schema, "guided_json"))
+        assert _takes(grammar.matcher(), smollm2_tokenizer, good), (schema, good)
+        assert not _takes(grammar.matcher(), smollm2_tokenizer, bad), (schema, bad)
+
+
 def test_outlines_matcher_allows_eos_only_on_a_full_match(compiler, smollm2_tokenizer, vocab):
     m = compiler.get(S.regex("(France|England)", "regex")).matcher()
     first = allowed(m, vocab.size)

@@ -171,3 +171,45 @@ def test_resolve_refuses_what_it_cannot_pick():
         T.resolve("auto", "plain", "GPT2LMHeadModel")
     with pytest.raises(ValueError, match="must be auto or one of"):
         T.resolve("hermes2", None, None)
+
+
+def test_a_chunk_carries_one_entry_per_call():
+    """The pythonic parser's first delta held the name and the first arguments as two entries of
+    index 0 (black-box audit); a client keying a chunk's entries by index kept only the second."""
+    from jaxserve.server import answers
+
+    plan = answers.OutputPlan(None, False, None, T.FORMATS["pythonic"], SCHEMAS)
+    stream = answers.OutputStream(plan)
+    deltas = [stream.delta(piece, None) for piece in ['[get_weather(city="Pa', 'ris"), lookup(', "query='x')]"]]
+    deltas.append(stream.delta("", "stop"))
+    seen: dict[int, list[str]] = {}
+    for body in deltas:
+        entries = body.get("tool_calls", [])
+        assert len({e["index"] for e in entries}) == len(entries), entries
+        for e in entries:
+            if "id" in e:
+                seen[e["index"]] = [e["function"]["name"], ""]
+            seen[e["index"]][1] += e["function"].get("arguments", "")
+    assert [(n, json.loads(a)) for n, a in seen.values()] == [("get_weather", {"city": "Paris"}),
+                                                            ("lookup", {"query": "x"})]
+    assert answers.one_entry_per_call([
+        {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": ""}},
+        {"index": 0, "function": {"arguments": "{"}}, {"index": 1, "function": {"arguments": "}"}}]) == [
+        {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}},
+        {"index": 1, "function": {"arguments": "}"}}]
+
+
+def test_a_forced_call_says_nothing_until_it_is_whole():
+    """tool_choice "required" / a named function: the held call text is no content "" per token
+    (a client adding the deltas up got "" where the whole reply has null); the stream skips
+    empty deltas, and the call comes whole with the finish."""
+    from jaxserve.server import answers
+    from jaxserve.server.tools import forced_tools
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS["get_weather"]}}]
+    plan = answers.OutputPlan(None, False, forced_tools(tools, "required"), None, {})
+    stream = answers.OutputStream(plan)
+    pieces = ['[{"name": "get_weather", ', '"parameters": {"city": "Paris"}}]']
+    assert [stream.delta(p, None) for p in pieces] == [{}, {}]
+    last = stream.delta("", "stop")
+    assert "content" not in last and [c["function"]["name"] for c in last["tool_calls"]] == ["get_weather"]
