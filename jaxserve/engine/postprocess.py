@@ -114,8 +114,11 @@ class Postprocessor:
                 text.finish_text(stopped_by_string=False)
                 continue
             logprob = TokenLogprob(a.token, a.logprob, a.top or []) if p.logprobs is not None else None
-            # The text of an ending token (EOS, stop token) is never shown; a length ending's is.
-            show = a.reason is None or a.reason is FinishReason.LENGTH
+            # The text of an ending token (EOS, stop token) is shown only with
+            # include_stop_str_in_output (SGLang's no_stop_trim), as vLLM and SGLang do; a length
+            # ending's always is.
+            show = a.reason is None or a.reason is FinishReason.LENGTH or (
+                p.include_stop_str_in_output and a.reason is FinishReason.STOP)
             matched = text.add(a.token, logprob, check_stops=a.past_min, show_text=show)
             if matched is not None:
                 # A stop string wins over a length ending on the same token, as if it had been

@@ -180,6 +180,13 @@ class _Usage:
                      draft_counts(self.state, num_draft, num_accepted), self.image_tokens)
 
 
+def echo_text(state: ServerState, ids: list[int]) -> str:
+    """The prompt as echoed: its special tokens kept, as written, with nothing between them. It
+    is what the echoed logprobs' tokens join to, so their text_offset indexes it (skipping the
+    specials lost "<|im_end|>" from an echoed prompt and sent the offsets backwards)."""
+    return state.tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
 # ---- logprobs -------------------------------------------------------------------------------------
 def legacy_prompt_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob | None]) -> dict[str, Any]:
     """The echoed prompt's part of OpenAI's completions logprobs: the first token has none."""
@@ -297,7 +304,7 @@ async def completions(state: ServerState) -> Response:
     total = _Usage(state, prompts)
     for i, (ids, res) in enumerate(zip(prompts, results)):
         total.add(i, res)
-        echo = state.tokenizer.decode(ids) if req.echo else ""
+        echo = echo_text(state, ids) if req.echo else ""
         for o in res.outputs:
             logprobs = legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None
             if req.echo and logprobs is not None and res.prompt_logprobs is not None:
@@ -337,7 +344,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
             for o in delta.outputs:
                 index = i * req.n + o.index
                 first = index not in offsets
-                echo = state.tokenizer.decode(prompts[i]) if first and req.echo else ""
+                echo = echo_text(state, prompts[i]) if first and req.echo else ""
                 if first:
                     offsets[index] = len(echo)  # logprobs' text_offset counts from the echoed prompt
                 choice = {"index": index, "text": echo + o.text, "logprobs": None, "finish_reason": o.finish_reason,
@@ -504,7 +511,10 @@ async def detokenize(state: ServerState) -> Response:
     bad = next((t for t in req.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
-    return jsonify({"prompt": state.tokenizer.decode(req.tokens)})
+    # Special tokens kept, as vLLM's (HF's decode default): /detokenize undoes /tokenize, chat
+    # template markers included.
+    return jsonify({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False,
+                                                     spaces_between_special_tokens=False)})
 
 
 def register(app: Quart, state: ServerState) -> None:

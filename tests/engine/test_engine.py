@@ -91,6 +91,15 @@ def test_stop_token_ids_eos_min_tokens_and_length(engine, smollm2_tokenizer):
     by_id = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[dot]), "id")[0]
     assert by_id.outputs[0].token_ids == natural.token_ids[:-1]
     assert (by_id.outputs[0].finish_reason, by_id.outputs[0].stop_reason) == ("stop", dot)
+    assert by_id.outputs[0].text == "The answer to this classic math problem is 4"  # the stop token's text cut
+    # include_stop_str_in_output (SGLang's no_stop_trim) keeps a stop token's text, as vLLM's and
+    # SGLang's do; EOS stays unseen (a special token, skipped).
+    kept = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[dot],
+                                                 include_stop_str_in_output=True), "id-kept")[0].outputs[0]
+    assert (kept.text, kept.token_ids) == (natural.text, natural.token_ids[:-1])
+    eos = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=60, include_stop_str_in_output=True),
+               "eos-kept")[0].outputs[0]
+    assert eos.text == natural.text
     short = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=3), "len")[0].outputs[0]
     assert (len(short.token_ids), short.finish_reason) == (3, "length")
 

@@ -134,6 +134,10 @@ def test_tokenize_detokenize(server, smollm2_tokenizer):
     chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == smollm2_tokenizer.encode_chat(CHAT)
     assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    # A chat prompt's template markers come back too: /detokenize undoes /tokenize (vLLM's).
+    marked = "<|im_start|>user\nHello<|im_end|>\n"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": marked, "add_special_tokens": False}).json()["tokens"]
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": marked}
 
 
 def test_metrics_move(server, client):
@@ -196,14 +200,17 @@ def test_continuous_usage_stats(client):
     assert counts == sorted(counts) and counts[-1] == 3 and all(c.usage.prompt_tokens > 0 for c in chunks)
 
 
-def test_completion_echo_with_logprobs_covers_the_prompt(client, smollm2_tokenizer):
-    """echo + logprobs: the prompt's tokens get logprobs too (the first one has none)."""
-    prompt = "The capital of France is"
-    n_prompt = len(smollm2_tokenizer.encode(prompt))
+@pytest.mark.parametrize("prompt", ["The capital of France is", "Hi<|im_end|>\nThe capital of France is"])
+def test_completion_echo_with_logprobs_covers_the_prompt(client, smollm2_tokenizer, prompt):
+    """echo + logprobs: the prompt's tokens get logprobs too (the first one has none), and the echo
+    is the prompt as sent, special tokens too, so that text_offset indexes it."""
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
     c = client.completions.create(**kwargs).choices[0]
     lp = c.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 3
+    assert c.finish_reason == "length"
+    n_prompt = len(lp.tokens) - 3  # the server parses "<|im_end|>" as the special token
+    assert len(lp.token_logprobs) == len(lp.tokens) and n_prompt == (5 if "<|" not in prompt else 8)
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(lp.tokens))]
     assert "".join(lp.tokens) == c.text and c.text.startswith(prompt)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
