@@ -46,7 +46,7 @@ class LoadingGate:
                 body, content_type = b"", b"text/plain"
             else:
                 # Each protocol's own error body, as the app answers once loaded.
-                err = ApiError(503, "the model is still loading", code="model_loading")
+                err = ApiError(503, "the model is still loading", code=503)  # type: ignore[arg-type]  # as before: 503
                 body = json.dumps(BODIES[protocol_of(scope["path"])](err)).encode()
                 content_type = b"application/json"
             await send({"type": "http.response.start", "status": 503,

@@ -162,7 +162,7 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(tmp_path):
         assert {r.status_code for r in said.values()} == {503}
         assert said["/v1/completions"].json()["error"] == {"message": "the model is still loading",
                                                            "type": "service_unavailable", "param": None,
-                                                           "code": "model_loading"}
+                                                           "code": 503}
         assert said["/v1/classify"].json()["error"]["type"] == "ServiceUnavailableError"
         assert said["/v2/models/m/generate"].json() == {"error": "the model is still loading"}
         assert said["/generate"].json() == {"error": {"message": "the model is still loading"}}
