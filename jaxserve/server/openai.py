@@ -180,10 +180,11 @@ class _Usage:
                      draft_counts(self.state, num_draft, num_accepted), self.image_tokens)
 
 
-def echo_text(state: ServerState, ids: list[int]) -> str:
-    """The prompt as echoed: its special tokens kept, as written, with nothing between them. It
-    is what the echoed logprobs' tokens join to, so their text_offset indexes it (skipping the
-    specials lost "<|im_end|>" from an echoed prompt and sent the offsets backwards)."""
+def verbatim_text(state: ServerState, ids: list[int]) -> str:
+    """The text of `ids` with their special tokens kept, as written, with nothing between them:
+    what a prompt's tokens join to. The echoed prompt (its logprobs' text_offset index it;
+    skipping the specials lost "<|im_end|>" and sent the offsets backwards) and /detokenize
+    (vLLM's, HF's decode default: it undoes /tokenize, chat-template markers included)."""
     return state.tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
 
 
@@ -304,7 +305,7 @@ async def completions(state: ServerState) -> Response:
     total = _Usage(state, prompts)
     for i, (ids, res) in enumerate(zip(prompts, results)):
         total.add(i, res)
-        echo = echo_text(state, ids) if req.echo else ""
+        echo = verbatim_text(state, ids) if req.echo else ""
         for o in res.outputs:
             logprobs = legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None
             if req.echo and logprobs is not None and res.prompt_logprobs is not None:
@@ -344,7 +345,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
             for o in delta.outputs:
                 index = i * req.n + o.index
                 first = index not in offsets
-                echo = echo_text(state, prompts[i]) if first and req.echo else ""
+                echo = verbatim_text(state, prompts[i]) if first and req.echo else ""
                 if first:
                     offsets[index] = len(echo)  # logprobs' text_offset counts from the echoed prompt
                 choice = {"index": index, "text": echo + o.text, "logprobs": None, "finish_reason": o.finish_reason,
@@ -511,10 +512,7 @@ async def detokenize(state: ServerState) -> Response:
     bad = next((t for t in req.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
-    # Special tokens kept, as vLLM's (HF's decode default): /detokenize undoes /tokenize, chat
-    # template markers included.
-    return jsonify({"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False,
-                                                     spaces_between_special_tokens=False)})
+    return jsonify({"prompt": verbatim_text(state, req.tokens)})
 
 
 def register(app: Quart, state: ServerState) -> None:

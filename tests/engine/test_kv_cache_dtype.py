@@ -20,13 +20,13 @@ import pytest
 from jaxserve.cli import config_from_args, parse_args
 from jaxserve.config import KV_CACHE_DTYPES, CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.kv_cache import bytes_per_page, cache_dtype, num_pages_for, triton_safe_pages
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
 from jaxserve.models.reference import forward_logits
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
+from engine_requests import run_requests
 from tiny_models import make_tiny_model, save_tiny_tokenizer
 
 FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
@@ -160,22 +160,18 @@ def test_engine_equals_the_model_with_rounded_keys_and_values(tiny, name, backen
         # Prompt logprobs need every prompt token computed; the second round, without them, reads
         # its prompts' full pages from the prefix cache.
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1 - round_ or None)
-        ids = [f"{round_}-{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            engine.add_request(rid, prompt, params)
-        results = run_to_completion(engine, ids)
-        engine.check_idle_integrity()
-        for rid, prompt in zip(ids, PROMPTS):
-            out = results[rid].outputs[0].token_ids
+        results = run_requests(engine, PROMPTS, params, str(round_))
+        for result, prompt in zip(results, PROMPTS):
+            out = result.outputs[0].token_ids
             expected = rounded_log_probs(model, prompt + out, FP8[name])
             # Prompt logprobs: the rounded forward's, to float32 summation order.
-            lps = results[rid].prompt_logprobs or [None] * len(prompt)
+            lps = result.prompt_logprobs or [None] * len(prompt)
             for i in range(1, len(prompt) if round_ == 0 else 0):
                 np.testing.assert_allclose(lps[i].logprob, expected[i - 1, prompt[i]], atol=2e-4)
             # Greedy decoding: the rounded forward's argmax after the prompt and every output token.
             assert out == list(np.argmax(expected[len(prompt) - 1 : -1], axis=-1))
     assert engine.num_preemptions > 0
-    assert results["1-0"].num_cached_tokens > 0
+    assert results[0].num_cached_tokens > 0  # the second round's first prompt
     # The rounding is real: a float32 cache answers differently somewhere.
     exact = rounded_log_probs(model, PROMPTS[0], jnp.float32)
     assert not np.allclose(exact, rounded_log_probs(model, PROMPTS[0], FP8[name]), atol=1e-3)

@@ -15,12 +15,12 @@ import pytest
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine import kv_cache
 from jaxserve.engine.build import EngineConfig, build_engine
-from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.kv_cache import KVCache, bytes_per_page, cache_head_dim, num_pages_for
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.config import decoder_config_from_hf
 from jaxserve.tokenizer import load_tokenizer
 from jaxserve.weights import load_model
+from engine_requests import run_requests
 from tiny_models import make_tiny_model, save_tiny_tokenizer
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18, 40, 41, 42, 43, 44, 45, 46], [1, 42], [1, 9, 8, 7, 6, 5, 4]]
@@ -68,13 +68,7 @@ def _serve(engine, tag: str) -> dict:
     out = {}
     for round_ in range(2):
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1 - round_ or None)
-        ids = [f"{tag}{round_}-{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            engine.add_request(rid, prompt, params)
-        results = run_to_completion(engine, ids)
-        engine.check_idle_integrity()
-        for i, rid in enumerate(ids):
-            r = results[rid]
+        for i, r in enumerate(run_requests(engine, PROMPTS, params, f"{tag}{round_}")):
             lps = [None if lp is None else lp.logprob for lp in (r.prompt_logprobs or [])]
             out[(round_, i)] = (r.outputs[0].token_ids, lps, r.num_cached_tokens)
     return out
