@@ -35,7 +35,7 @@ from jaxserve.server.base_app import (
     check_limits,
 )
 from jaxserve.server.errors import ApiError, error_response
-from jaxserve.server.generation import new_id, route
+from jaxserve.server.generation import new_id, route, truncation_length
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames, served_names
 from jaxserve.tokenizer import Tokenizer
@@ -193,12 +193,7 @@ def encode_inputs(state: ClassifyState, value: Any, param: str, add_special_toke
 
 def truncation(state: ClassifyState, truncate: int) -> int:
     """vLLM's truncate_prompt_tokens: -1 means the context length."""
-    if truncate == -1:
-        return state.max_model_len
-    if not 1 <= truncate <= state.max_model_len:
-        raise ApiError(400, f"truncate_prompt_tokens: must be -1 or in [1, {state.max_model_len}] (the maximum "
-                       f"context length), got {truncate}", "truncate_prompt_tokens")
-    return truncate
+    return truncation_length(truncate, state.max_model_len)
 
 
 def check_tokens(state: ClassifyState, tokens: list[int], name: str) -> None:

@@ -113,6 +113,33 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def truncation_length(truncate: int, max_model_len: int) -> int:
+    """vLLM's truncate_prompt_tokens as a token count: -1 means the context length; 0, other
+    negatives and more than the context are refused (as vLLM does)."""
+    if truncate == -1:
+        return max_model_len
+    if not 1 <= truncate <= max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens: must be -1 or in [1, {max_model_len}] (the maximum "
+                       f"context length), got {truncate}", "truncate_prompt_tokens")
+    return truncate
+
+
+def truncate_prompt(prompt: list[int], images: Sequence[ImageItem], truncate: int | None,
+                    max_model_len: int) -> tuple[list[int], list[ImageItem]]:
+    """A generation prompt cut to its last `truncate_prompt_tokens` tokens (vLLM's left
+    truncation), its images moved with it. An image the cut would split or drop is refused: its
+    placeholder positions are the vision encoder's input, and half an image is no image."""
+    if truncate is None:
+        return prompt, list(images)
+    cut = max(0, len(prompt) - truncation_length(truncate, max_model_len))
+    if cut == 0:
+        return prompt, list(images)
+    if any(item.offset < cut for item in images):
+        raise ApiError(400, f"truncate_prompt_tokens: keeping the last {len(prompt) - cut} of the prompt's "
+                       f"{len(prompt)} tokens would cut an image out of it", "truncate_prompt_tokens")
+    return prompt[cut:], [dataclasses.replace(item, offset=item.offset - cut) for item in images]
+
+
 # The flights of the HTTP exchange being served (end_flights_with_exchanges).
 _exchange_flights: contextvars.ContextVar[list["Flight"] | None] = contextvars.ContextVar("jaxserve_flights",
                                                                                             default=None)

@@ -23,6 +23,7 @@ from jaxserve.server.generation import (
     new_id,
     route,
     token_text,
+    truncate_prompt,
 )
 from jaxserve.server.tools import parse_arguments
 from jaxserve.structured import spec as guide
@@ -267,10 +268,14 @@ def _completion_inputs(state: ServerState, req: CompletionRequest) -> tuple[list
     """The prompts' token ids and embedding spans: from `prompt`, or from vLLM's prompt_embeds
     (whose prompts have no text to echo and no tokens to score)."""
     if req.prompt_embeds is None:
-        prompts = completion_prompts(state, req)
+        prompts = [truncate_prompt(ids, (), req.truncate_prompt_tokens, state.max_model_len)[0]
+                   for ids in completion_prompts(state, req)]
         return prompts, [()] * len(prompts)
     if req.prompt is not None:
         raise ApiError(400, "prompt_embeds: give prompt or prompt_embeds, not both", "prompt_embeds")
+    if req.truncate_prompt_tokens is not None:
+        raise ApiError(400, "truncate_prompt_tokens: applies to token prompts, not to prompt_embeds; send the "
+                       "embeddings you want read", "truncate_prompt_tokens")
     for name, used in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None)):
         if used:
             raise ApiError(400, f"{name}: a prompt given as prompt_embeds has no tokens to echo or score", name)

@@ -14,7 +14,7 @@ from quart import Response, jsonify
 
 from jaxserve.server import answers, reasoning, sse
 from jaxserve.server.errors import ApiError, error_event, not_supported
-from jaxserve.server.generation import ServerState, merged, new_id
+from jaxserve.server.generation import ServerState, merged, new_id, truncate_prompt
 from jaxserve.server.openai import (
     _Usage,
     _usage_options,
@@ -76,6 +76,7 @@ async def chat_completions(state: ServerState) -> Response:
         prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
                              req.chat_template_kwargs, req.tools if tools_on else None, images=urls)
     prompt, images = await expand_images(state, prompt, urls, "messages")
+    prompt, images = truncate_prompt(prompt, images, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     plan = answers.plan(state, prompt, forced, auto, schemas)

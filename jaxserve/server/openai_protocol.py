@@ -60,6 +60,9 @@ class SamplingFields(_Strict):
     return_token_ids: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); nothing is cut
+    # unless asked.
+    truncate_prompt_tokens: int | None = None
     # Beam search (vLLM's spelling; on /v3 best_of > 1 alone asks for it, as OVMS does).
     use_beam_search: bool = False
     length_penalty: float | None = None

@@ -173,3 +173,23 @@ def test_a_signal_while_the_model_loads_ends_the_process_at_once(tmp_path):
         assert "SIGINT while the model loads: exiting" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_truncating_a_prompt_moves_its_images_and_refuses_to_split_one():
+    import pytest
+
+    from jaxserve.engine.embeds import ImageItem
+    from jaxserve.server.errors import ApiError
+    from jaxserve.server.generation import truncate_prompt
+
+    prompt = list(range(20))
+    image = ImageItem(offset=10, num_tokens=4, key="k", data=None)
+    kept, images = truncate_prompt(prompt, [image], 12, max_model_len=64)
+    assert kept == prompt[8:] and images[0].offset == 2 and images[0].num_tokens == 4
+    assert truncate_prompt(prompt, [image], -1, max_model_len=64) == (prompt, [image])
+    with pytest.raises(ApiError, match="cut an image"):
+        truncate_prompt(prompt, [image], 9, max_model_len=64)
+    for bad in (0, -3, 65):
+        with pytest.raises(ApiError) as e:
+            truncate_prompt(prompt, [], bad, max_model_len=64)
+        assert e.value.param == "truncate_prompt_tokens"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from live_server import MODEL
@@ -246,3 +247,28 @@ def test_chat_prompt_token_ids_and_disable_chat_template(client, smollm2_tokeniz
                                          max_tokens=3, temperature=0, extra_body={"disable_chat_template": True})
     assert raw.usage.prompt_tokens == len(smollm2_tokenizer.encode("The capital of France is"))
     assert raw.choices[0].message.content.startswith(" Paris")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, smollm2_tokenizer):
+    """vLLM's truncate_prompt_tokens on completions and chat: the prompt's last k tokens are the
+    prompt (same greedy answer as sending them), -1 keeps up to the context, and 0 or more than
+    the context is a 400 naming it."""
+    ids = smollm2_tokenizer.encode("Apples are red. Bananas are yellow. The capital of France is")
+    kept = ids[-8:]
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 8, "return_token_ids": True})
+    direct = client.completions.create(model=MODEL, prompt=kept, max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].model_extra["prompt_token_ids"] == kept
+    assert cut.choices[0].text == direct.choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    templated = smollm2_tokenizer.encode_chat(CHAT)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
+    assert chat.usage.prompt_tokens == 5 and chat.model_extra["prompt_token_ids"] == templated[-5:]
+    for bad in (0, -2, 10**6):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
