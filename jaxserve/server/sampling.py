@@ -18,10 +18,12 @@ alone, as OVMS documents ("increase best_of to enable beam search"); `length_pen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import InvalidRequestError
 from jaxserve.server.errors import ApiError
 
 NUMBERS = (int, float)
@@ -50,6 +52,21 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: A
             raise ApiError(400, f"{f.name}: expected {' or '.join(t.__name__ for t in f.types)}, got {value!r}", f.name)
         kwargs[f.param] = f.convert(value) if f.convert is not None else value
     return SamplingParams(**kwargs, **computed)
+
+
+def in_protocol_names(e: InvalidRequestError, fields: Sequence[Field], prefix: str = "",
+                      names: dict[str, str] | None = None) -> ApiError:
+    """The engine's refusal (in SamplingParams' names) as a 400 in the names the client sent: the
+    parameter under `prefix` ("sampling_params.max_new_tokens" for SGLang's max_tokens), and every
+    renamed field the message mentions ("prompt has 9 tokens and max_new_tokens is 600"). `names`
+    adds engine names no table row covers (the prompt, a computed field)."""
+    renamed = {f.param: f.name for f in reversed(fields) if f.name != f.param}  # the first row wins
+    where = {f.param: prefix + f.name for f in reversed(fields)} | (names or {})
+    param = where.get(e.param, e.param)
+    message = str(e).removeprefix(f"{e.param}: ")
+    if renamed:
+        message = re.sub(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b", lambda m: renamed[m.group(1)], message)
+    return ApiError(400, f"{param}: {message}", param)
 
 
 UNHONOURED: tuple[str, ...] = ()  # fields refuse_unhonoured refuses whatever their value (none today)

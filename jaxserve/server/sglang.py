@@ -13,6 +13,7 @@ from quart import Quart, Response, jsonify
 from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import InvalidRequestError
 from jaxserve.server import accepted_fields, sampling, sse
 from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.multimodal.media import check_count
@@ -99,20 +100,28 @@ def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
     ])
 
 
-def _params(sp: SGLangSamplingParams, req: GenerateRequest) -> SamplingParams:
+def _params(sp: SGLangSamplingParams, req: GenerateRequest, prompt_len: int) -> SamplingParams:
     sampling.refuse_unhonoured(lambda name: getattr(sp, name), "sampling_params.")
+    # SGLang's first input logprob is always null, so the engine scores from the one after it.
+    first_scored = logprob_start(req, prompt_len) + 1
     params = sampling.build(
         sampling.SGLANG, lambda name: getattr(sp, name),
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
-        prompt_logprobs=(req.top_logprobs_num if wants_input_logprobs(req) else None),
-        prompt_logprobs_start=max(req.logprob_start_len, 0),
+        prompt_logprobs=(req.top_logprobs_num if req.return_logprob and first_scored < prompt_len else None),
+        prompt_logprobs_start=min(first_scored, prompt_len),
     )
     sampling.refuse_streamed_beams(params, req.stream, "sampling_params.use_beam_search")
     return params
 
 
+def logprob_start(req: GenerateRequest, prompt_len: int) -> int:
+    """The first prompt position SGLang reports input logprobs for: logprob_start_len, or the
+    last prompt token when it is -1 (the default)."""
+    return prompt_len - 1 if req.logprob_start_len == -1 else req.logprob_start_len
+
+
 def wants_input_logprobs(req: GenerateRequest) -> bool:
-    """SGLang reports input logprobs from logprob_start_len on; -1 means none."""
+    """Whether the client asked for the prompt's logprobs past the default last token."""
     return req.return_logprob and req.logprob_start_len >= 0
 
 
@@ -205,8 +214,14 @@ async def generate(state: ServerState) -> Response:
     inputs, batch = await _inputs(state, req)
     prompts = [p.ids for p in inputs]
     if req.logprob_start_len < -1:
-        raise ApiError(400, f"logprob_start_len: must be -1 (none) or >= 0, got {req.logprob_start_len}",
-                       "logprob_start_len")
+        raise ApiError(400, f"logprob_start_len: must be -1 (the last prompt token) or >= 0, got "
+                       f"{req.logprob_start_len}", "logprob_start_len")
+    if req.return_logprob:
+        for i, ids in enumerate(prompts):
+            if req.logprob_start_len >= len(ids):  # SGLang refuses it too (a 400)
+                raise ApiError(400, f"logprob_start_len: must be below the prompt's {len(ids)} tokens"
+                               f"{f' (prompt {i})' if batch else ''}, got {req.logprob_start_len}",
+                               "logprob_start_len")
     given = req.sampling_params
     sps = _per_prompt(SGLangSamplingParams() if given is None else given, len(prompts), "sampling_params")
     if not batch and isinstance(req.rid, list):
@@ -214,13 +229,19 @@ async def generate(state: ServerState) -> Response:
     if batch and isinstance(req.rid, str):
         raise ApiError(400, "rid: a batch takes a list of rids, one per prompt", "rid")
     rids = _per_prompt(req.rid, len(prompts), "rid")
-    params = [_params(sp, req) for sp in sps]
-    for sp, p in zip(sps, params):
-        await attach_grammar(state, p, guide_spec(sp))
+    try:
+        params = [_params(sp, req, len(ids)) for sp, ids in zip(sps, prompts)]
+        for sp, p in zip(sps, params):
+            await attach_grammar(state, p, guide_spec(sp))
+    except InvalidRequestError as e:
+        raise _in_sglang_names(e) from None
     async with state.admit() as flight:
-        for i, (prompt, p) in enumerate(zip(inputs, params)):
-            await flight.submit(rids[i] or new_id("gen"), prompt.ids, p, req.priority or 0, prompt.images,
-                                prompt.embeds)
+        try:
+            for i, (prompt, p) in enumerate(zip(inputs, params)):
+                await flight.submit(rids[i] or new_id("gen"), prompt.ids, p, req.priority or 0, prompt.images,
+                                    prompt.embeds)
+        except InvalidRequestError as e:
+            raise _in_sglang_names(e, "text" if req.text is not None else "input_ids") from None
         if req.stream:
             return sse.sse_response(flight.respond(_stream(state, req, prompts, params, flight.streams, batch)))
         results = await flight.collect()
@@ -229,12 +250,21 @@ async def generate(state: ServerState) -> Response:
     return jsonify(items if batch or len(items) > 1 else items[0])
 
 
+def _in_sglang_names(e: InvalidRequestError, prompt: str = "text") -> ApiError:
+    """An engine refusal in the names the SGLang client sent: `max_tokens` is its
+    `sampling_params.max_new_tokens`, `prompt` its text or input_ids."""
+    return sampling.in_protocol_names(e, sampling.SGLANG, "sampling_params.",
+                                      {"prompt": prompt, "prompt_logprobs_start": "logprob_start_len"})
+
+
 def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: CompletionOutput,
           params: SamplingParams, stream: EngineStream, index: int | None = None,
           prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
     prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else res.prompt_logprobs
+    # Each of n samples is its own request in SGLang, with its own id (rid_0, rid_1, ...).
+    rid = res.request_id if params.n == 1 else f"{res.request_id}_{out.index}"
     meta: dict[str, Any] = {
-        "id": res.request_id, "finish_reason": _finish(out, params),
+        "id": rid, "finish_reason": _finish(out, params),
         "prompt_tokens": len(res.prompt_token_ids), "completion_tokens": len(out.token_ids),
         "cached_tokens": res.num_cached_tokens, "e2e_latency": time.monotonic() - stream.start,
     }
@@ -271,9 +301,11 @@ def _logprobs(state: ServerState, req: GenerateRequest, lps: list[TokenLogprob],
     def entry(token_id: int, logprob: float | None) -> list[Any]:
         return [logprob, token_id, token_text(state.tokenizer, token_id) if req.return_text_in_logprobs else None]
 
-    # Input logprobs from logprob_start_len on; the first prompt token has none (nothing precedes it).
-    positions = range(req.logprob_start_len, len(prompt_ids)) if wants_input_logprobs(req) and prompt_lps else []
-    inputs = [prompt_lps[p] for p in positions]
+    # Input logprobs from logprob_start_len on (the last prompt token by default). As in SGLang the
+    # first is always null, whatever precedes it; a prompt of embeddings has no tokens to list.
+    first = logprob_start(req, len(prompt_ids))
+    positions = range(first, len(prompt_ids)) if req.input_embeds is None else range(0)
+    inputs = [prompt_lps[p] if prompt_lps is not None and p > first else None for p in positions]
     meta: dict[str, Any] = {
         "input_token_logprobs": [entry(prompt_ids[p], lp.logprob if lp else None) for p, lp in zip(positions, inputs)],
         "output_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in lps],

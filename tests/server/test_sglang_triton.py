@@ -163,6 +163,26 @@ def test_generate_input_logprobs_from_logprob_start_len(server, smollm2_tokenize
     assert [e[1] for e in inputs] == ids and inputs[0][0] is None
     assert all(e[0] <= 0 for e in inputs[1:]) and inputs[1][2] == smollm2_tokenizer.decode([ids[1]])
     assert meta["input_top_logprobs"][0] is None and all(len(t) == 2 for t in meta["input_top_logprobs"][1:])
+    # As SGLang: the first listed input logprob is always null, from logprob_start_len on too.
     later = _post(server, "/generate", {**body, "logprob_start_len": 2}).json()["meta_info"]
-    assert [e[1] for e in later["input_token_logprobs"]] == ids[2:]
-    assert [e[0] for e in later["input_token_logprobs"]] == pytest.approx([e[0] for e in inputs[2:]], abs=1e-5)
+    assert [e[1] for e in later["input_token_logprobs"]] == ids[2:] and later["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in later["input_token_logprobs"][1:]] == pytest.approx([e[0] for e in inputs[3:]], abs=1e-5)
+    assert later["input_top_logprobs"][0] is None and len(later["input_top_logprobs"][1]) == 2
+    # The default (-1) lists the last prompt token, with its null.
+    default = _post(server, "/generate", {k: v for k, v in body.items() if k != "logprob_start_len"}).json()
+    assert default["meta_info"]["input_token_logprobs"] == [[None, ids[-1], smollm2_tokenizer.decode([ids[-1]])]]
+    r = _post(server, "/generate", {**body, "logprob_start_len": len(ids)})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("logprob_start_len:"), r.text
+
+
+def test_generate_errors_name_sglang_fields_and_samples_have_their_own_ids(server):
+    for value, words in ((-1, "[1, "), (100000, "max_new_tokens is 100000")):
+        r = _post(server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": value}})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and message.startswith("sampling_params.max_new_tokens:"), message
+        assert words in message and "max_tokens" not in message, message
+    r = _post(server, "/generate", {"text": "hi", "sampling_params": {"sampling_seed": 2**70}})
+    assert r.json()["error"]["message"].startswith("sampling_params.sampling_seed:"), r.text
+    items = _post(server, "/generate", {"text": "Hello", "rid": "abc",
+                                        "sampling_params": {"max_new_tokens": 2, "n": 2}}).json()
+    assert [item["meta_info"]["id"] for item in items] == ["abc_0", "abc_1"]
