@@ -86,6 +86,13 @@ class AsyncEngine(EngineThread):
             self._commands.put(("abort_all",))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's unused pages (Engine.reset_prefix_cache) between two steps."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset_prefix_cache", loop, done))
+        return await done
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _tick(self) -> bool:
         if not self.engine.has_unfinished():
@@ -111,6 +118,9 @@ class AsyncEngine(EngineThread):
         elif command[0] == "abort_all":
             for out in self.engine.abort_all():
                 self._post(out.request_id, out, last=True)
+        elif command[0] == "reset_prefix_cache":
+            _, loop, done = command
+            post(loop, done, self.engine.reset_prefix_cache())
 
     def _fail(self, error: EngineDeadError) -> None:
         for request_id in list(self._streams):
@@ -119,6 +129,8 @@ class AsyncEngine(EngineThread):
     def _refuse(self, command: tuple, error: EngineDeadError) -> None:
         if command[0] == "add":
             post(command[5], command[7], error)
+        elif command[0] == "reset_prefix_cache":
+            post(command[1], command[2], error)
 
     def _close(self) -> None:
         for request_id in list(self._streams):

@@ -270,6 +270,13 @@ class Engine:
     def abort_all(self) -> list[RequestOutput]:
         return [out for request_id in list(self.requests) if (out := self.abort(request_id)) is not None]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache: every cached page no sequence holds goes back to the free list
+        (pages in use stay, and running requests are untouched); returns how many were dropped."""
+        dropped = self.scheduler.allocator.reset_prefix_cache()
+        self._publish()
+        return dropped
+
     def has_unfinished(self) -> bool:
         """Whether step() has work: queued or running sequences, or a dispatched step still
         carrying a live sequence's tokens."""

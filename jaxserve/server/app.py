@@ -89,7 +89,7 @@ def _metrics(model_name: str, async_engine: AsyncEngine) -> Metrics:
     m.gauge("kv_cache_usage_perc", "Fraction of KV pages in use.", lambda: stats().kv_cache_usage)
     m.gauge("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up.",
             lambda: stats().prefix_cache_hit_rate)
-    m.gauge("num_preemptions", "Sequences preempted (recomputed) so far.", lambda: stats().num_preemptions)
+    m.counter("num_preemptions_total", "Sequences preempted (recomputed) so far.", lambda: stats().num_preemptions)
     m.counter("spec_decode_num_draft_tokens_total", "Speculative tokens proposed.",
               lambda: stats().num_draft_tokens)
     m.counter("spec_decode_num_accepted_tokens_total", "Speculative tokens accepted by verification.",

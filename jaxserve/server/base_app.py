@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from quart import Quart, Response, jsonify, request
 
+from jaxserve import __version__
 from jaxserve.server.auth import check_bearer
 from jaxserve.server.errors import error_response, protocol_of
 from jaxserve.server.openapi import openapi_spec
@@ -56,6 +57,11 @@ def base_app(state: Any, api_keys: tuple[str, ...], max_request_bytes: int, heal
     async def openapi_json() -> Response:
         """This document."""
         return jsonify(openapi_spec(app))
+
+    @app.get("/version")
+    async def version() -> Response:
+        """The server's version (vLLM's route)."""
+        return jsonify({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -303,6 +303,11 @@ async def models(state: ClassifyState) -> Response:
     return jsonify(state.model_names.cards(state.created, state.max_model_len))
 
 
+async def model(state: ClassifyState, name: str) -> Response:
+    """One served model's card (OpenAI's models.retrieve); 404 for a name this server does not serve."""
+    return jsonify(state.model_names.card(name, state.created, state.max_model_len))
+
+
 async def get_model_info(state: ClassifyState) -> Response:
     """SGLang's model info: not a generation model."""
     info = {"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": False,
@@ -370,6 +375,7 @@ def create_classify_app(
     embeddings.register(app, state)
     scoring.register(app, state)
     route(app, state, "/v1/models", models, "GET")
+    route(app, state, "/v1/models/<path:name>", model, "GET")
     route(app, state, "/get_model_info", get_model_info, "GET")
     for rule in GENERATION_ROUTES:
         route(app, state, rule, refuse_generation, "POST")

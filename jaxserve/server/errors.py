@@ -150,7 +150,8 @@ BODIES: dict[str, Callable[[ApiError], dict[str, Any]]] = {
 def protocol_of(path: str) -> str:
     if path.startswith("/v2/") and path != "/v2/rerank":  # Cohere's v2 rerank is vLLM's, not Triton's
         return "triton"
-    if path in ("/generate", "/abort_request", "/get_model_info", "/health_generate"):
+    if path in ("/generate", "/abort_request", "/get_model_info", "/health_generate", "/get_server_info",
+                "/server_info", "/flush_cache"):
         return "sglang"
     if path in ("/v1/classify", "/classify"):
         return "classify"

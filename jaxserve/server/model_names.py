@@ -42,10 +42,13 @@ class ModelNames:
 
     def cards(self, created: int, max_model_len: int) -> dict:
         """/v1/models: one card per served name (as vLLM lists them), the reported one first."""
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": self.primary,
-            "parent": None, "max_model_len": max_model_len, "permission": [],
-        } for name in self.names]}
+        return {"object": "list", "data": [self.card(name, created, max_model_len) for name in self.names]}
+
+    def card(self, name: str, created: int, max_model_len: int) -> dict:
+        """/v1/models/{name} (OpenAI's retrieve): the card of a name this server answers to, else 404."""
+        self.check(name)
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": self.primary,
+                "parent": None, "max_model_len": max_model_len, "permission": []}
 
 
 def served_names(config: Any) -> ModelNames:

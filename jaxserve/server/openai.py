@@ -488,6 +488,17 @@ async def models(state: ServerState) -> Response:
     return jsonify(state.model_names.cards(state.created, state.max_model_len))
 
 
+async def model(state: ServerState, name: str) -> Response:
+    """One served model's card (OpenAI's models.retrieve); 404 for a name this server does not serve."""
+    return jsonify(state.model_names.card(name, state.created, state.max_model_len))
+
+
+async def reset_prefix_cache(state: ServerState) -> Response:
+    """vLLM's: forget the prefix cache (pages held by running requests stay)."""
+    await state.engine.reset_prefix_cache()
+    return Response("", status=200)
+
+
 async def tokenize(state: ServerState) -> Response:
     """Token ids of a prompt or of a rendered chat (vLLM's /tokenize)."""
     req = await parse(TokenizeRequest)
@@ -528,6 +539,9 @@ def register(app: Quart, state: ServerState) -> None:
         route(app, state, f"{prefix}/completions", completions, "POST", CompletionRequest)
         route(app, state, f"{prefix}/chat/completions", chat_completions, "POST", ChatCompletionRequest)
     route(app, state, "/v1/responses", responses, "POST", ResponsesRequest)
-    route(app, state, "/v1/models", models, "GET")
+    for prefix in ("/v1", "/v3"):  # OVMS lists its models under /v3 too
+        route(app, state, f"{prefix}/models", models, "GET")
+        route(app, state, f"{prefix}/models/<path:name>", model, "GET")  # names may hold "/" (org/model)
+    route(app, state, "/reset_prefix_cache", reset_prefix_cache, "POST")
     route(app, state, "/tokenize", tokenize, "POST", TokenizeRequest)
     route(app, state, "/detokenize", detokenize, "POST", DetokenizeRequest)

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import ConfigDict
 from quart import Quart, Response, jsonify
 
+from jaxserve import __version__
 from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.output import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.engine.request import SamplingParams
@@ -358,6 +359,20 @@ async def get_model_info(state: ServerState) -> Response:
                     "max_model_len": state.max_model_len})
 
 
+async def get_server_info(state: ServerState) -> Response:
+    """SGLang's server info: the version and how the engine was sized (its EngineInfo)."""
+    return jsonify({"version": __version__, "model_path": state.model_name, "served_model_name": state.model_name,
+                    **dataclasses.asdict(state.engine.info),
+                    "max_concurrent_requests": state.max_concurrent_requests})
+
+
+async def flush_cache(state: ServerState) -> Response:
+    """SGLang's: forget the prefix cache. Unlike SGLang's radix cache it may be flushed while
+    requests run: the pages they hold stay theirs."""
+    dropped = await state.engine.reset_prefix_cache()
+    return Response(f"Cache flushed: {dropped} cached pages freed.\n", status=200, content_type="text/plain")
+
+
 async def health_generate(state: ServerState) -> Response:
     """SGLang's deep health check: generate one token."""
     async with state.admit() as flight:
@@ -371,3 +386,7 @@ def register(app: Quart, state: ServerState) -> None:
     route(app, state, "/abort_request", abort_request, "POST", AbortRequest)
     route(app, state, "/get_model_info", get_model_info, "GET")
     route(app, state, "/health_generate", health_generate, "GET")
+    for rule in ("/get_server_info", "/server_info"):
+        route(app, state, rule, get_server_info, "GET")
+    for method in ("GET", "POST"):  # SGLang takes either
+        route(app, state, "/flush_cache", flush_cache, method)

@@ -207,6 +207,9 @@ def test_models_health_metrics_and_model_info(live):
     assert httpx.get(live.url + "/health").status_code == 200
     models = httpx.get(live.url + "/v1/models").json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == MAX_LEN
+    assert httpx.get(live.url + f"/v1/models/{MODEL}").json() == models["data"][0]
+    assert httpx.get(live.url + "/v1/models/other").status_code == 404
+    assert httpx.get(live.url + "/version").json()["version"]
     info = httpx.get(live.url + "/get_model_info").json()
     assert info["is_generation"] is False and info["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
     _post(live, "/v1/classify", {"input": "w5"})

@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+import jaxserve
 from live_server import MODEL
 
 pytestmark = pytest.mark.slow
@@ -272,3 +273,31 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, smollm2_tokenizer)
             client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
                                       extra_body={"truncate_prompt_tokens": bad})
         assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
+
+
+def test_model_retrieve_version_server_info_and_prefix_cache_flush(server, client):
+    """OpenAI's models.retrieve (also under /v3, OVMS's), vLLM's /version and /reset_prefix_cache,
+    SGLang's /get_server_info and /flush_cache; preemptions count as a Prometheus counter."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.get(server.url + "/v3/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.url + f"/v3/models/{MODEL}").json()["max_model_len"] == 512
+    assert httpx.get(server.url + "/version").json() == {"version": jaxserve.__version__}
+    info = httpx.get(server.url + "/get_server_info").json()
+    assert info["max_model_len"] == 512 and info["page_size"] >= 1 and info["version"] == jaxserve.__version__
+
+    def cached(prompt: str) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    prompt = "Flush test. " + "one two three four five six seven eight " * 8
+    cached(prompt)
+    assert cached(prompt) > 0  # the prefix cache holds the prompt's full pages
+    flushed = httpx.post(server.url + "/flush_cache")
+    assert flushed.status_code == 200 and not flushed.text.startswith("Cache flushed: 0 "), flushed.text
+    assert cached(prompt) == 0
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    assert cached(prompt) == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "# TYPE jaxserve:num_preemptions_total counter" in metrics
