@@ -7,6 +7,7 @@ YAML keys are flag names (dashes or underscores); an unknown key is an error, ne
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import operator
 import os
@@ -31,6 +32,7 @@ from jaxserve.config import (
 )
 from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
+from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -288,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on "
                    "inference routes; repeat the flag to accept several keys")
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        s.add_argument(f"--allowed-{flag}", type=_name_list, nargs="+", default=None, metavar="NAME",
+                       help=f"CORS: the {what} a browser page on another origin may use, as vLLM's flag takes "
+                       f"them (a JSON list such as '[\"https://app.example\"]') or as plain words; "
+                       f"'*' allows any (default: *, as vLLM and SGLang)")
+    s.add_argument("--allowed-credentials", action="store_true", help="CORS: let cross-origin requests carry "
+                   "cookies and Authorization (the allowed origin is then echoed, never '*')")
+    s.add_argument("--enable-request-id-headers", action="store_true", help="add X-Request-Id to every response: "
+                   "the request's own X-Request-Id header, or a fresh id (vLLM's flag)")
     s.add_argument("--max-concurrent-requests", type=int, default=1024, help="requests in flight at once; "
                    "more get 429 at once (no unbounded queue)")
     s.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger -> 413")
@@ -353,6 +364,30 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
             value = [value]
         out[dest] = value
     return out
+
+
+def _name_list(text: str) -> list[str]:
+    """A CORS flag's value: vLLM's JSON list ('["a", "b"]') or one plain name."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def _names(values: list[Any] | None) -> tuple[str, ...]:
+    """A CORS flag's names: the command line gives a list of lists (one per word), a --config file
+    a list of strings; absent means any ('*')."""
+    if values is None:
+        return ("*",)
+    out: list[str] = []
+    for v in values:
+        out += v if isinstance(v, list) else _name_list(str(v))
+    return tuple(out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -435,6 +470,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 or not (key.isascii() and key.isprintable()):
             raise ConfigError(f"--api-key must be a non-empty key of printable ASCII without surrounding spaces, "
                               f"got {key!r}")
+    try:
+        CorsPolicy(_names(args.allowed_origins), _names(args.allowed_methods), _names(args.allowed_headers))
+    except ValueError as e:
+        raise ConfigError(f"--allowed-origins / --allowed-methods / --allowed-headers: {e}") from None
     for flag in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -518,6 +557,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
             host=args.host,
             port=args.port,
             api_keys=tuple(args.api_key or ()),
+            allowed_origins=_names(args.allowed_origins),
+            allowed_methods=_names(args.allowed_methods),
+            allowed_headers=_names(args.allowed_headers),
+            allowed_credentials=args.allowed_credentials,
+            request_id_headers=args.enable_request_id_headers,
             max_concurrent_requests=args.max_concurrent_requests,
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,
@@ -670,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server.app import create_app
     from jaxserve.server.loading import serve_while_loading
+    from jaxserve.server.cors import cors_policy
     from jaxserve.server.model_names import served_names
     from jaxserve.startup import image_input, start_engine
 
@@ -710,7 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           max_request_bytes=srv.max_request_bytes,
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
                           structured=srv.structured, warm_structured=True,
-                          reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser)
+                          reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser,
+                          cors=cors_policy(srv), request_id_headers=srv.request_id_headers)
 
     srv = config.server
     try:

@@ -117,6 +117,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    # CORS (jaxserve.server.cors), vLLM's flags and defaults: any origin, method and header.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allowed_credentials: bool = False
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on responses
     max_concurrent_requests: int = 1024  # over it: 429 at once
     max_request_bytes: int = 16 * 2**20  # over it: 413
     request_timeout: float | None = None  # seconds; None = no deadline

@@ -23,6 +23,7 @@ from jaxserve.server.base_app import (
     base_app,
     check_limits,
 )
+from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
@@ -46,6 +47,8 @@ def create_app(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
     images: ImageSupport | None = None,
+    cors: CorsPolicy | None = CorsPolicy(),
+    request_id_headers: bool = False,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -64,7 +67,8 @@ def create_app(
         log.info("tool calls for tool_choice 'auto' read with the %s parser%s", state.tool_parser,
                  " (chosen from the chat template / architecture)" if tool_call_parser == "auto" else "")
     app = base_app(state, api_keys, max_request_bytes,
-                   healthy=lambda: not state.draining and async_engine.error is None)
+                   healthy=lambda: not state.draining and async_engine.error is None, cors=cors,
+                   request_id_headers=request_id_headers)
     if warm_structured:
         threading.Thread(target=lambda: state.grammars.warm_up(), name="jaxserve-grammar-warmup", daemon=True).start()
 

@@ -34,6 +34,7 @@ from jaxserve.server.base_app import (
     base_app,
     check_limits,
 )
+from jaxserve.server.cors import CorsPolicy, cors_policy
 from jaxserve.server.errors import ApiError, error_response
 from jaxserve.server.generation import new_id, route, truncation_length
 from jaxserve.server.metrics import Metrics
@@ -355,6 +356,8 @@ def create_classify_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     request_timeout: float | None = None,
+    cors: CorsPolicy | None = CorsPolicy(),
+    request_id_headers: bool = False,
 ) -> Quart:
     """The app of a classification or embedding model: /v1/classify and /classify, or
     /v1/embeddings; /v1/score and /v1/rerank; /v1/models, /health, /metrics, /openapi.json,
@@ -369,7 +372,8 @@ def create_classify_app(
     state = ClassifyState(engine=engine, tokenizer=tokenizer, model_names=names, config=config,
                           max_model_len=max_model_len, max_concurrent_requests=max_concurrent_requests,
                           request_timeout=request_timeout, metrics=metrics)
-    app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None)
+    app = base_app(state, api_keys, max_request_bytes, healthy=lambda: not state.draining and engine.error is None,
+                   cors=cors, request_id_headers=request_id_headers)
     route(app, state, "/v1/classify", classify, "POST", ClassifyRequest)
     route(app, state, "/classify", classify_either, "POST", ClassifyRequest)
     embeddings.register(app, state)
@@ -450,5 +454,6 @@ def build_classify_server(config: Any, task: str = "classify") -> tuple[Quart, A
                               engine.config.max_model_len, api_keys=srv.api_keys,
                               max_request_bytes=srv.max_request_bytes,
                               max_concurrent_requests=srv.max_concurrent_requests,
-                              request_timeout=srv.request_timeout)
+                              request_timeout=srv.request_timeout, cors=cors_policy(srv),
+                              request_id_headers=srv.request_id_headers)
     return app, async_engine

@@ -193,3 +193,50 @@ def test_truncating_a_prompt_moves_its_images_and_refuses_to_split_one():
         with pytest.raises(ApiError) as e:
             truncate_prompt(prompt, [], bad, max_model_len=64)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_cors_preflight_skips_auth_and_responses_carry_the_allow_headers():
+    """A browser's preflight (no Authorization) is answered before the API key is checked; the
+    request itself still needs the key and carries Access-Control-Allow-Origin; X-Request-Id is
+    echoed when asked for (vLLM's --enable-request-id-headers)."""
+    from jaxserve.server.cors import CorsPolicy
+
+    origin = "https://app.example"
+
+    async def go(app) -> list:
+        client = app.test_client()
+        pre = await client.options("/v1/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        no_key = await client.post("/v1/completions", json={"prompt": "x"}, headers={"Origin": origin})
+        models = await client.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer k",
+                                                         "X-Request-Id": "mine"})
+        other = await client.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        return [pre, no_key, models, other]
+
+    app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, api_keys=("k",),  # type: ignore[arg-type]
+                     request_id_headers=True)
+    pre, no_key, models, other = asyncio.run(go(app))
+    assert pre.status_code == 200 and pre.headers["Access-Control-Allow-Origin"] == "*"
+    assert "POST" in pre.headers["Access-Control-Allow-Methods"]
+    assert pre.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert no_key.status_code == 401 and no_key.headers["Access-Control-Allow-Origin"] == "*"
+    assert models.status_code == 200 and models.headers["X-Request-Id"] == "mine"
+    assert len(other.headers["X-Request-Id"]) == 32
+
+    strict = CorsPolicy(origins=(origin,), methods=("GET", "POST"), headers=("authorization",), credentials=True)
+    app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, api_keys=("k",), cors=strict)  # type: ignore[arg-type]
+    pre, _, models, other = asyncio.run(go(app))
+    assert pre.status_code == 200 and pre.headers["Access-Control-Allow-Origin"] == origin
+    assert pre.headers["Access-Control-Allow-Credentials"] == "true" and pre.headers["Vary"] == "Origin"
+    assert models.headers["Access-Control-Allow-Origin"] == origin and "X-Request-Id" not in models.headers
+    assert "Access-Control-Allow-Origin" not in other.headers  # the browser withholds the answer
+
+    async def refused(app) -> tuple[int, str]:
+        r = await app.test_client().options("/v1/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "DELETE"})
+        return r.status_code, (await r.get_data()).decode()
+
+    assert asyncio.run(refused(app)) == (400, "Disallowed CORS method")
+    app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, cors=None)  # type: ignore[arg-type]
+    assert "Access-Control-Allow-Origin" not in asyncio.run(go(app))[2].headers

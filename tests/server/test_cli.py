@@ -159,6 +159,23 @@ def test_an_api_key_that_would_open_the_server_is_refused(key, tmp_path):
         base_app(object(), ("k", ""), 1024, healthy=lambda: True)
 
 
+def test_cors_and_request_id_flags(tmp_path):
+    """vLLM's spellings: a JSON list (as vLLM's flag takes it) or plain words, and in --config."""
+    srv = config_from_args(parse_args(["--model", "/m"])).server
+    assert (srv.allowed_origins, srv.allowed_methods, srv.allowed_credentials, srv.request_id_headers) == (
+        ("*",), ("*",), False, False)
+    srv = config_from_args(parse_args([
+        "--model", "/m", "--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-methods", "GET",
+        "POST", "--allowed-credentials", "--enable-request-id-headers"])).server
+    assert srv.allowed_origins == ("https://a.example", "https://b.example")
+    assert srv.allowed_methods == ("GET", "POST") and srv.allowed_credentials and srv.request_id_headers
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m\nallowed-origins: [https://c.example]\n")
+    assert config_from_args(parse_args(["--config", str(cfg)])).server.allowed_origins == ("https://c.example",)
+    with pytest.raises(ConfigError, match="allowed methods must be among"):
+        config_from_args(parse_args(["--model", "/m", "--allowed-methods", "FETCH"]))
+
+
 def test_a_missing_draft_model_is_refused_before_the_served_model_loads(monkeypatch, tmp_path):
     from jaxserve import startup
     from jaxserve.weights.safetensors_dir import WeightsError
