@@ -470,7 +470,8 @@ class Engine:
                     if tid >= 0:
                         r = row + i
                         top = [(int(a), float(b)) for a, b in zip(prompt.top_ids[r][:n_top], prompt.top_logprobs[r][:n_top])]
-                        req.prompt_logprobs[chunk.start + i + 1] = TokenLogprob(tid, float(prompt.logprob[r]), top)
+                        req.prompt_logprobs[chunk.start + i + 1] = TokenLogprob(tid, float(prompt.logprob[r]), top,
+                                                                                int(prompt.rank[r]))
             row += chunk.num_tokens
 
     # ---- what the server sees ---------------------------------------------------------------------

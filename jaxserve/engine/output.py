@@ -17,6 +17,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless top-N was asked
+    rank: int | None = None  # the token's rank in the vocabulary (1 = most likely); prompt logprobs only
 
 
 @dataclasses.dataclass

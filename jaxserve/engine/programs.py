@@ -60,6 +60,7 @@ class PromptLogprobs:
     logprob: jax.Array  # [T] float32
     top_ids: jax.Array  # [T, MAX_TOP_LOGPROBS] int32
     top_logprobs: jax.Array  # [T, MAX_TOP_LOGPROBS] float32
+    rank: jax.Array  # [T] int32: the prompt token's rank in the vocabulary (1 = the most likely)
 
 
 @struct.dataclass
@@ -343,18 +344,22 @@ def _prompt_logprobs(model: Decoder, hidden: jax.Array, targets: jax.Array, top_
     chunk = max(c for c in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % c == 0)
 
     def compute() -> PromptLogprobs:
-        def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def rows(args: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
             h, target, n = args
-            return token_logprobs(model.logits(h), target, n)
+            logits = model.logits(h)
+            # vLLM's rank: how many tokens are at least as likely as this one (ties share the worse rank).
+            chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
+            rank = jnp.sum(logits >= chosen, axis=-1, dtype=jnp.int32)
+            return (*token_logprobs(logits, target, n), rank)
 
         split = lambda a: a.reshape(t // chunk, chunk, *a.shape[1:])  # noqa: E731
-        lp, ids, top = jax.lax.map(rows, (split(hidden), split(jnp.maximum(targets, 0)),
-                                          split(jnp.where(wanted, top_n, -1))))
-        return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1))
+        lp, ids, top, rank = jax.lax.map(rows, (split(hidden), split(jnp.maximum(targets, 0)),
+                                                split(jnp.where(wanted, top_n, -1))))
+        return PromptLogprobs(lp.reshape(t), ids.reshape(t, -1), top.reshape(t, -1), rank.reshape(t))
 
     def skip() -> PromptLogprobs:
         return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.full((t, MAX_TOP_LOGPROBS), -1, jnp.int32),
-                              jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
+                              jnp.full((t, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32), jnp.zeros(t, jnp.int32))
 
     return jax.lax.cond(jnp.any(wanted), compute, skip)
 

@@ -50,7 +50,8 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
     # OVMS (/v3): best_of > 1 is beam search, its width (sampling.py).
     ovms_beams = (request.path.startswith("/v3/") and (req.best_of or 1) > 1
                   and "use_beam_search" not in req.model_fields_set)  # an explicit false keeps sampling
-    params = sampling.build(sampling.OPENAI, lambda name: getattr(req, name), max_tokens=max_tokens, logprobs=logprobs,
+    params = sampling.build(sampling.OPENAI, lambda name: getattr(req, name), state.sampling_defaults,
+                            max_tokens=max_tokens, logprobs=logprobs,
                             bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
                             use_beam_search=bool(req.use_beam_search) or ovms_beams)
     sampling.refuse_streamed_beams(params, req.stream, "best_of" if ovms_beams else "use_beam_search")
@@ -210,10 +211,13 @@ def join_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -
 
 
 def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs` field: per prompt token {token id: {logprob, decoded_token}}."""
+    """vLLM's `prompt_logprobs` field: per prompt token {token id: {logprob, rank, decoded_token}},
+    the prompt token first, then the top alternatives (ranks 1, 2, ...)."""
     def entries(lp: TokenLogprob) -> dict[str, Any]:
-        pairs = [(lp.token_id, lp.logprob)] + [(i, v) for i, v in lp.top if i != lp.token_id]
-        return {str(i): {"logprob": v, "decoded_token": token_text(state.tokenizer, i)} for i, v in pairs}
+        ranked = [(lp.token_id, lp.logprob, lp.rank)] + [(i, v, k + 1) for k, (i, v) in enumerate(lp.top)
+                                                          if i != lp.token_id]
+        return {str(i): {"logprob": v, "rank": rank, "decoded_token": token_text(state.tokenizer, i)}
+                for i, v, rank in ranked}
 
     return [entries(lp) if lp else None for lp in lps]
 

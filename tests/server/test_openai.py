@@ -231,6 +231,22 @@ def test_vllm_prompt_logprobs_field(client, smollm2_tokenizer):
     assert len(plp) == len(ids) and plp[0] is None
     for tid, entry in zip(ids[1:], plp[1:]):
         assert str(tid) in entry and entry[str(tid)]["logprob"] <= 0 and 1 <= len(entry) <= 2
+    # vLLM's rank: the prompt token's place in the whole vocabulary, the top alternatives 1..k; it
+    # agrees with the top 5 wherever the token is among them, and is worse than 5 where it is not.
+    five = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 5}).choices[0].model_extra["prompt_logprobs"]
+    outside = 0
+    for tid, entry in zip(ids[1:], five[1:]):
+        own = entry[str(tid)]
+        others = [e for k, e in entry.items() if k != str(tid)]
+        assert sorted(e["rank"] for e in others) == [r for r in range(1, 6) if r != own["rank"]][:len(others)]
+        better = sum(e["logprob"] > own["logprob"] for e in others)
+        if own["rank"] <= 5:
+            assert own["rank"] == better + 1, entry
+        else:
+            outside += 1
+            assert better == 5 and all(e["logprob"] >= own["logprob"] for e in others), entry
+    assert outside > 0  # some prompt token here is outside the model's top 5
 
 
 def test_chat_prompt_token_ids_and_disable_chat_template(client, smollm2_tokenizer):
