@@ -32,6 +32,7 @@ from jaxserve.config import (
 )
 from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
+from jaxserve.generation_config import sampling_defaults
 from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. to serve Qwen3-Reranker as the one-label classifier its model card defines: "
                    "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                    "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
+    m.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="the sampling a request gets for what it leaves unset (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, the token limit): 'auto' (default, as vLLM) the model creator's "
+                   "generation_config.json beside the model, 'vllm' the API's neutral defaults, or a folder "
+                   "holding a generation_config.json; beam search takes none of them")
+    m.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="sampling defaults that replace or add to --generation-config's, as vLLM's flag: "
+                   "'{\"temperature\": 0.5}'; with --generation-config vllm they are the only ones")
     m.add_argument("--accept-any-model-name", action="store_true",
                    help="answer requests naming any model with the served one, for clients and examples that "
                    "hard-code a name (OVMS's \"llama3\", Triton's \"mymodel\"); off: unknown names get 404")
@@ -366,6 +375,15 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
     return out
 
 
+def _sampling_defaults(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--generation-config / --override-generation-config, read now: a bad file or key is refused
+    before the model loads."""
+    try:
+        return sampling_defaults(model, args.generation_config, args.override_generation_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _name_list(text: str) -> list[str]:
     """A CORS flag's value: vLLM's JSON list ('["a", "b"]') or one plain name."""
     if not text.lstrip().startswith("["):
@@ -525,6 +543,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             load_format=args.load_format,
             speculative_model=args.speculative_model,
             hf_overrides=args.hf_overrides,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config,
+            sampling_defaults=_sampling_defaults(model, args),
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             enable_prompt_embeds=args.enable_prompt_embeds,
@@ -621,6 +642,7 @@ _GENERATION_ONLY = {
     "--tool-call-parser / --enable-auto-tool-choice": "server.tool_call_parser", "--max-n": "server.max_n",
     "--structured-output-*": "server.structured",
     "--quantization-group-size": "model.quantization_group_size",
+    "--override-generation-config": "model.override_generation_config",
     "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
     "--media-fetch-timeout": "media",
@@ -756,7 +778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           max_concurrent_requests=srv.max_concurrent_requests, request_timeout=srv.request_timeout,
                           structured=srv.structured, warm_structured=True,
                           reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser,
-                          cors=cors_policy(srv), request_id_headers=srv.request_id_headers)
+                          cors=cors_policy(srv), request_id_headers=srv.request_id_headers,
+                          sampling_defaults=config.model.sampling_defaults)
 
     srv = config.server
     try:

@@ -38,6 +38,11 @@ class ModelConfig:
     quantization_group_size: int = 32  # int4's rows per group (32 | 64 | 128)
     speculative_model: str | None = None  # a draft model (HF directory or .gguf) sharing the tokenizer
     enable_prompt_embeds: bool = False  # take embeddings as prompts (input_embeds / prompt_embeds)
+    # vLLM's --generation-config (auto | vllm | a folder) and --override-generation-config, read
+    # into what requests that leave them unset sample with (jaxserve.generation_config).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from jaxserve.config import (
 from jaxserve.engine.classify_batcher import finish_embedding, probabilities
 from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.output import RequestOutput, TokenLogprob
+from jaxserve.generation_config import sampling_defaults
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
 from jaxserve.startup import image_input, start_classify_engine, start_engine
@@ -157,6 +158,8 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         enable_prompt_embeds: bool = False,
         kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -177,7 +180,10 @@ class LLM:
         "fp8_e5m2" (a byte per cached value) or "bfloat16" (a float32 model's cache in half the bytes), as
         --kv-cache-dtype. decode_buckets / prefill_buckets: the step shapes compiled (default powers of
         two up to max_num_seqs / max_num_batched_tokens, which the largest must equal), as
-        --decode-buckets / --prefill-buckets."""
+        --decode-buckets / --prefill-buckets. generation_config / override_generation_config: where
+        `get_default_sampling_params` (what `generate` and `chat` use without sampling params) comes
+        from, as --generation-config ("auto": the model's generation_config.json; "vllm": none; or a
+        folder) and --override-generation-config."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -194,7 +200,10 @@ class LLM:
                               quantization=quantization, quantization_group_size=quantization_group_size,
                               prompt_special_tokens=prompt_special_tokens,
                               speculative_model=(speculative_config or {}).get("model"),
-                              enable_prompt_embeds=enable_prompt_embeds),
+                              enable_prompt_embeds=enable_prompt_embeds, generation_config=generation_config,
+                              override_generation_config=override_generation_config,
+                              sampling_defaults=sampling_defaults(model, generation_config,
+                                                                  override_generation_config)),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
@@ -209,6 +218,7 @@ class LLM:
             decode_steps=decode_steps,
         )
         self.task = _resolve_task(config)
+        self._sampling_defaults = config.model.sampling_defaults
         self.skip_tokenizer_init = skip_tokenizer_init
         self.images = None  # a vision-language model's image input (jaxserve.multimodal.images)
         if self.task == "generate":
@@ -259,6 +269,12 @@ class LLM:
             vocabulary = token_vocabulary(tokenizer.hf, sorted(self.engine.eos_ids))
             self._grammars = GrammarCompiler(vocabulary, tokenizer.hf, workers=1)
         return self._grammars.get(spec)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
+        as max_tokens) over SamplingParams' defaults, as vLLM's LLM does."""
+        return SamplingParams(**self._sampling_defaults)
 
     def close(self) -> None:
         """Stop the constraint compile worker, if one was started (also done at exit)."""
@@ -423,7 +439,7 @@ class LLM:
 
     def _run(self, prompts: list[list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
              use_tqdm: bool, extras: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")

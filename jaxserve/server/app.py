@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
@@ -23,6 +23,7 @@ from jaxserve.server.base_app import (
     base_app,
     check_limits,
 )
+from jaxserve.generation_config import describe
 from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
@@ -49,6 +50,7 @@ def create_app(
     images: ImageSupport | None = None,
     cors: CorsPolicy | None = CorsPolicy(),
     request_id_headers: bool = False,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -61,8 +63,11 @@ def create_app(
         structured=structured, reasoning_parser=check_parser(reasoning_parser),
         tool_parser=(tool_parsers.resolve(tool_call_parser, tokenizer.chat_template, async_engine.info.architecture)
                      if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
-        images=images,
+        images=images, sampling_defaults=dict(sampling_defaults or {}),
     )
+    if state.sampling_defaults:  # as vLLM says it: a surprise otherwise, when answers differ from another server's
+        log.info("requests that leave them unset sample with the model's generation_config.json: %s (start with "
+                 "--generation-config vllm for the API's neutral defaults)", describe(state.sampling_defaults))
     if state.tool_parser is not None:
         log.info("tool calls for tool_choice 'auto' read with the %s parser%s", state.tool_parser,
                  " (chosen from the chat template / architecture)" if tool_call_parser == "auto" else "")

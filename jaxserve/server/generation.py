@@ -52,6 +52,9 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser (jaxserve.server.reasoning)
     tool_parser: str | None = None  # --tool-call-parser, resolved (jaxserve.server.tool_parsers)
     images: ImageSupport | None = None  # a vision-language model's image input (jaxserve.multimodal.images)
+    # What a request leaves unset samples with: the model's generation_config.json (SamplingParams
+    # fields; jaxserve.generation_config), before each protocol's own defaults.
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False

@@ -244,9 +244,10 @@ def prompt_ids(state: ServerState, req: ResponsesRequest, tools: list[dict[str, 
 _FIELDS = (sampling.Field("temperature", "temperature", 1.0), sampling.Field("top_p", "top_p", 1.0))
 
 
-def sampling_params(req: ResponsesRequest) -> SamplingParams:
+def sampling_params(req: ResponsesRequest, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the model's (ServerState.sampling_defaults)."""
     num_top = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) else None
-    return sampling.build(_FIELDS, lambda name: getattr(req, name), max_tokens=req.max_output_tokens,
+    return sampling.build(_FIELDS, lambda name: getattr(req, name), defaults, max_tokens=req.max_output_tokens,
                           logprobs=num_top)
 
 
@@ -536,7 +537,7 @@ async def responses(state: ServerState) -> Response:
     schemas = function_schemas(tools) if tools else {}
     forced = forced_tools(tools, choice, req.parallel_tool_calls)
     prompt = prompt_ids(state, req, tools if tools_on else None)
-    params = sampling_params(req)
+    params = sampling_params(req, state.sampling_defaults)
     fmt, spec = text_format(req)
     plan = answers.plan(state, prompt, forced, tools_on and forced is None, schemas)
     await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)

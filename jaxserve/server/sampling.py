@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxserve.engine.request import SamplingParams
@@ -38,19 +38,35 @@ class Field:
     types: tuple[type, ...] | None = None  # accepted JSON types (protocols without a schema: Triton)
 
 
-def build(fields: Iterable[Field], value_of: Callable[[str], Any], **computed: Any) -> SamplingParams:
+def build(fields: Iterable[Field], value_of: Callable[[str], Any], defaults: Mapping[str, Any] | None = None,
+          **computed: Any) -> SamplingParams:
     """SamplingParams from a request: `value_of(name)` is the request's value of a field (None when
-    absent); `computed` sets fields no table row covers."""
+    absent); `computed` sets fields no table row covers. `defaults` (SamplingParams fields: the
+    model's generation_config.json, jaxserve.generation_config) stand in for what the request
+    leaves unset, before the protocol's own defaults; beam search takes none of them (it scores
+    the model's own probabilities)."""
+    fields = tuple(fields)
+    beams = bool(computed.get("use_beam_search")) or any(
+        f.param == "use_beam_search" and value_of(f.name) for f in fields)
+    defaults = {} if beams or defaults is None else defaults
     kwargs: dict[str, Any] = {}
     for f in fields:
         value = value_of(f.name)
         if value is None:
+            if f.param in defaults:
+                kwargs[f.param] = defaults[f.param]
+                continue
             if f.default is None:
                 continue
             value = f.default
         elif f.types is not None and (isinstance(value, bool) and bool not in f.types or not isinstance(value, f.types)):
             raise ApiError(400, f"{f.name}: expected {' or '.join(t.__name__ for t in f.types)}, got {value!r}", f.name)
         kwargs[f.param] = f.convert(value) if f.convert is not None else value
+    if computed.get("max_tokens", 0) is None and "max_tokens" in defaults:  # a limit the protocol computes
+        computed["max_tokens"] = defaults["max_tokens"]
+    # Defaults for knobs the protocol has no field for (the Responses API's top_k) apply too.
+    tabled = {f.param for f in fields} | set(computed)
+    kwargs |= {k: v for k, v in defaults.items() if k not in tabled}
     return SamplingParams(**kwargs, **computed)
 
 

@@ -101,12 +101,17 @@ def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
     ])
 
 
-def _params(sp: SGLangSamplingParams, req: GenerateRequest, prompt_len: int) -> SamplingParams:
+def _params(sp: SGLangSamplingParams, req: GenerateRequest, prompt_len: int,
+            model_defaults: dict[str, Any]) -> SamplingParams:
     sampling.refuse_unhonoured(lambda name: getattr(sp, name), "sampling_params.")
     # SGLang's first input logprob is always null, so the engine scores from the one after it.
     first_scored = logprob_start(req, prompt_len) + 1
+    # The model's defaults fill what the client did not send; max_new_tokens keeps SGLang's 128
+    # (SGLang's model sampling defaults leave it out too).
+    defaults = {k: v for k, v in model_defaults.items() if k != "max_tokens"}
+    unset = {name for name in defaults if name not in sp.model_fields_set}  # SGLang's names are the engine's here
     params = sampling.build(
-        sampling.SGLANG, lambda name: getattr(sp, name),
+        sampling.SGLANG, lambda name: None if name in unset else getattr(sp, name), defaults,
         logprobs=(req.top_logprobs_num if req.return_logprob else None),
         prompt_logprobs=(req.top_logprobs_num if req.return_logprob and first_scored < prompt_len else None),
         prompt_logprobs_start=min(first_scored, prompt_len),
@@ -231,7 +236,7 @@ async def generate(state: ServerState) -> Response:
         raise ApiError(400, "rid: a batch takes a list of rids, one per prompt", "rid")
     rids = _per_prompt(req.rid, len(prompts), "rid")
     try:
-        params = [_params(sp, req, len(ids)) for sp, ids in zip(sps, prompts)]
+        params = [_params(sp, req, len(ids), state.sampling_defaults) for sp, ids in zip(sps, prompts)]
         for sp, p in zip(sps, params):
             await attach_grammar(state, p, guide_spec(sp))
     except InvalidRequestError as e:

@@ -80,7 +80,7 @@ def _sampling(state: ServerState, params: dict[str, Any]) -> SamplingParams:
     sampling.refuse_unhonoured(params.get)
     stop = _words(params.get("stop"), "stop") + _words(params.get("stop_words"), "stop_words")
     bad = _words(params.get("bad_words"), "bad_words")
-    return sampling.build(sampling.TRITON, params.get, stop=stop,
+    return sampling.build(sampling.TRITON, params.get, state.sampling_defaults, stop=stop,
                           bad_words_ids=bad_words_ids(state.tokenizer, bad) if bad else None)
 
 

@@ -176,6 +176,19 @@ def test_cors_and_request_id_flags(tmp_path):
         config_from_args(parse_args(["--model", "/m", "--allowed-methods", "FETCH"]))
 
 
+def test_generation_config_flags_are_read_before_the_model_loads(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    assert config_from_args(parse_args(["--model", str(model)])).model.sampling_defaults == {
+        "temperature": 0.6, "top_p": 0.95}
+    args = ["--model", str(model), "--generation-config", "vllm", "--override-generation-config", '{"top_k": 20}']
+    assert config_from_args(parse_args(args)).model.sampling_defaults == {"top_k": 20}
+    (tmp_path / "generation_config.json").write_text('{"top_p": 2}')
+    with pytest.raises(ConfigError, match="generation_config.json: top_p 2 is not a value it can take"):
+        config_from_args(parse_args(["--model", str(model)]))
+
+
 def test_a_missing_draft_model_is_refused_before_the_served_model_loads(monkeypatch, tmp_path):
     from jaxserve import startup
     from jaxserve.weights.safetensors_dir import WeightsError
