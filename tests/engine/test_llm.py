@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 def test_generate_returns_outputs_in_prompt_order(tmp_path):
     make_tiny_model("llama3", tmp_path / "m")
     save_tiny_tokenizer(tmp_path / "m")
+    # The model creator's sampling (vLLM's --generation-config auto): what generate uses without params.
+    (tmp_path / "m" / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5}')
     llm = LLM(str(tmp_path / "m"), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_pages=32,
               page_size=4, cache_dir=tmp_path / "cache", decode_buckets=[2], prefill_buckets=(16,))
     assert {key[:2] for key in llm.engine.runner.compiled_steps} == {("prefill", 16), ("decode", 2)}
@@ -23,6 +25,10 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     expected = greedy_reference(llm.model, prompts, 6)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    plain = llm.generate(prompts[:1], use_tqdm=False)[0].outputs[0]  # greedy, at most 5 tokens
+    assert plain.token_ids == expected[0][: len(plain.token_ids)] and 1 <= len(plain.token_ids) <= 5
     assert [o.prompt_token_ids for o in outs] == prompts and all(o.prompt is None for o in outs)
     text = llm.generate("w5 w9", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(text) == 1 and len(text[0].outputs[0].token_ids) == 3 and text[0].outputs[0].finish_reason == "length"
