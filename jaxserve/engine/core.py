@@ -39,6 +39,7 @@ from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
 from jaxserve.engine.request import FinishReason, SamplingParams, Sequence, SequenceStatus, _float_range, _int_range
 from jaxserve.errors import InvalidRequestError
+from jaxserve.structured.allowed_tokens import AllowedTokensGrammar
 from jaxserve.engine.rows import MAX_BANNED_IDS
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from jaxserve.engine.step_inputs import PromptTargets, StepCommands, StepInputBuilder
@@ -183,12 +184,15 @@ class Engine:
         spans = self._embed_spans(prompt_ids, images, embeds)
         rope, delta = self.encoder.rope_positions(prompt_ids, images) if self.builder.mrope and images else (None, 0)
         base_seed = params.seed if params.seed is not None else secrets.randbits(32)
+        grammar = params.grammar
+        if params.allowed_token_ids is not None:  # a mask around the request's own constraint, if any
+            grammar = AllowedTokensGrammar(grammar, params.allowed_token_ids, self.info.vocab_size)
         seqs, texts = [], []
         for i in range(1 if group is not None else params.num_samples):
             seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
                            params=params, max_total_tokens=max_total, priority=priority, sample_index=i,
                            seed=(base_seed + i) % 2**32,
-                           matcher=params.grammar.matcher() if params.grammar is not None else None, beam=group,
+                           matcher=grammar.matcher() if grammar is not None else None, beam=group,
                            embeds=spans, prompt_keys=cache_ids(prompt_ids, spans) if spans else None,
                            rope_positions=rope, rope_delta=delta)
             if group is not None:

@@ -56,6 +56,9 @@ class SamplingParams:
     # Structured output, compiled by the API layer (jaxserve.structured): every sampled token keeps
     # the output a prefix of a match, and EOS is allowed only where the output is a complete match.
     grammar: "Grammar | None" = None
+    # vLLM's: only these tokens are ever sampled (with the grammar, when there is one); end-of-
+    # sequence only if listed. None: any token.
+    allowed_token_ids: list[int] | None = None
     # Prompt-lookup (n-gram) speculative decoding, on a server started with it: draft tokens per
     # verify step (None: the server's --num-speculative-tokens; 0: off for this request) and the
     # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.
@@ -126,6 +129,11 @@ class SamplingParams:
             _int_range("seed", self.seed, -(2**63), 2**64 - 1)
         for tid in self.stop_token_ids:
             _token("stop_token_ids", tid, vocab_size)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of token ids")
+            for tid in self.allowed_token_ids:
+                _token("allowed_token_ids", tid, vocab_size)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty strings")
         if len(self.stop) > 64:
@@ -156,12 +164,14 @@ class SamplingParams:
                    "repetition_penalty": self.repetition_penalty == 1.0, "logit_bias": not self.logit_bias,
                    "bad_words": not self.bad_words_ids, "stop": not self.stop,
                    "response_format": self.grammar is None, "processed_logprobs": not self.processed_logprobs,
+                   "allowed_token_ids": self.allowed_token_ids is None,
                    "num_assistant_tokens": self.num_assistant_tokens in (None, 0),
                    "assistant_confidence_threshold": self.assistant_confidence_threshold is None}
         for name, ok in neutral.items():
             if not ok:
                 why = {"stop": "beam search ends on end ids only; use stop_token_ids",
                        "response_format": "structured output is not supported with beam search",
+                       "allowed_token_ids": "beam search scores the model's own probabilities over every token",
                        "num_assistant_tokens": "beams are not drafted for (speculative decoding is off for them)",
                        "assistant_confidence_threshold": "beams are not drafted for"}.get(
                     name, "beam search scores beams by the model's own log-probabilities, so this sampling "

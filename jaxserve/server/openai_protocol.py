@@ -57,6 +57,7 @@ class SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     return_token_ids: bool = False
     priority: int = 0
     prompt_logprobs: int | None = None

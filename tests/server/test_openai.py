@@ -317,3 +317,29 @@ def test_model_retrieve_version_server_info_and_prefix_cache_flush(server, clien
     assert cached(prompt) == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert "# TYPE jaxserve:num_preemptions_total counter" in metrics
+
+
+def test_allowed_token_ids_restrict_every_sampled_token(client, smollm2_tokenizer):
+    """vLLM's allowed_token_ids: sampled and greedy outputs use only the listed tokens (here with
+    no end token among them, so every output runs to max_tokens); combined with a constraint, the
+    intersection; refused outside the vocabulary and with beam search, naming it."""
+    allowed = sorted({smollm2_tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", " maybe")})
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=6, n=3, seed=4,
+                                  temperature=1.0, extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    for choice in r.choices:
+        assert set(choice.token_ids) <= set(allowed) and len(choice.token_ids) == 6, choice
+    greedy = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=1, temperature=0,
+                                       logprobs=20, extra_body={"allowed_token_ids": allowed,
+                                                                "return_token_ids": True}).choices[0]
+    # The greedy pick is the most likely allowed token under the raw distribution.
+    top = greedy.logprobs.top_logprobs[0]
+    ranked = [t for t in top if t in {smollm2_tokenizer.decode([i]) for i in allowed}]
+    assert greedy.token_ids[0] in allowed and (not ranked or smollm2_tokenizer.decode(greedy.token_ids) == ranked[0])
+    chosen = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                            extra_body={"allowed_token_ids": allowed, "guided_choice": [" no"]})
+    assert chosen.choices[0].message.content == " no"
+    for body, param in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": allowed, "use_beam_search": True, "n": 2}, "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=body)
+        assert e.value.body["param"] == param, e.value.body
