@@ -399,10 +399,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to several (a list of
         such lists), rendered by the model's chat template (or `chat_template`) exactly as the
-        chat completions route renders them: text in messages never becomes special tokens."""
+        chat completions route renders them: text in messages never becomes special tokens.
+        continue_final_message (with add_generation_prompt=False): the model continues the last
+        message, as vLLM's."""
         self._require_task("generate", "LLM.chat")
         tokenizer = self._require_tokenizer("LLM.chat (its chat template renders text)")
         if not messages:
@@ -410,7 +413,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
                                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                                         tools=tools) for c in conversations]
+                                         tools=tools, continue_final_message=continue_final_message)
+                   for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:

@@ -135,7 +135,19 @@ class Tokenizer:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
+        """The conversation as the chat template writes it. continue_final_message: the last
+        message left open (no end-of-turn after its text), so the model continues it: a reply
+        "prefilled" by the client, as HF's apply_chat_template and vLLM do it."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message continues the last message, and add_generation_prompt "
+                                    "starts a new one: set add_generation_prompt to false")
+        rendered = self._render(messages, add_generation_prompt, chat_template, chat_template_kwargs, tools)
+        return _open_final_message(rendered, messages) if continue_final_message else rendered
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None,
+                chat_template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> str:
         template = chat_template or self.chat_template
         if not template:
             raise ChatTemplateError("this model has no chat template; pass chat_template or use completions")
@@ -160,7 +172,7 @@ class Tokenizer:
         except Exception as e:  # any error inside a user-supplied template is the user's input error
             raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:  # kwargs: render_chat's
         """Render and tokenize a conversation. Special tokens come only from the template."""
         if not any(self._holds_special(m) for m in messages):
             # The common case: identical to HF's apply_chat_template(tokenize=True).
@@ -396,3 +408,24 @@ class NoTextDetokenizer:
 
     def output_text(self) -> str:
         return ""
+
+
+def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """`rendered` cut right after the last message's text (HF's continue_final_message rule: its
+    last occurrence, with the message's own trailing spaces when the template kept them)."""
+    if not messages:
+        raise ChatTemplateError("continue_final_message: there is no message to continue")
+    content = messages[-1].get("content")
+    if isinstance(content, (list, tuple)):
+        texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message: the last message has no text to continue")
+    at = rendered.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the last message's "
+                                "text as it is, so there is no place to continue it from")
+    # The message's trailing spaces stay where the template kept them; else they were trimmed.
+    whole = rendered[at:at + len(content.lstrip())] == content
+    kept = len(content.lstrip()) if whole else len(content.strip())
+    return rendered[:at + kept]

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from quart import Response, jsonify
 
 from jaxserve.server import answers, reasoning, sse
-from jaxserve.server.errors import ApiError, error_event, not_supported
+from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import ServerState, merged, new_id, truncate_prompt
 from jaxserve.server.openai import (
     _Usage,
@@ -38,8 +38,6 @@ async def chat_completions(state: ServerState) -> Response:
     """OpenAI chat completions, with vLLM's sampling and chat-template extras."""
     req = await parse(ChatCompletionRequest)
     state.model_names.check(req.model)
-    if req.continue_final_message:
-        raise not_supported("continue_final_message", "continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
     if req.reasoning_max_tokens is not None:
@@ -74,7 +72,8 @@ async def chat_completions(state: ServerState) -> Response:
     else:
         urls = [] if state.images is not None else None
         prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
-                             req.chat_template_kwargs, req.tools if tools_on else None, images=urls)
+                             req.chat_template_kwargs, req.tools if tools_on else None, images=urls,
+                             continue_final_message=req.continue_final_message)
     prompt, images = await expand_images(state, prompt, urls, "messages")
     prompt, images = truncate_prompt(prompt, images, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -343,3 +343,23 @@ def test_allowed_token_ids_restrict_every_sampled_token(client, smollm2_tokenize
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=body)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_continue_final_message_prefills_the_reply(client, server, smollm2_tokenizer):
+    """vLLM's continue_final_message: the assistant's last message is continued, not answered;
+    the same greedy tokens as completing the rendered prefix by hand; /tokenize renders the same."""
+    messages = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "return_token_ids": True})
+    prefix = smollm2_tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert r.model_extra["prompt_token_ids"] == prefix
+    by_hand = client.completions.create(model=MODEL, prompt=prefix, max_tokens=5, temperature=0)
+    assert r.choices[0].message.content == by_hand.choices[0].text
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                        "continue_final_message": True}).json()["tokens"]
+    assert tokens == prefix
+    with pytest.raises(openai.BadRequestError) as e:  # add_generation_prompt defaults to true, as in vLLM
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"

@@ -117,3 +117,22 @@ def test_a_chat_template_path_that_does_not_exist_is_refused(tmp_path):
     for template in (str(tmp_path / "t.jinja"), "{{ messages[0].content }}"):
         assert load_tokenizer(tmp_path, chat_template=template).render_chat(
             [{"role": "user", "content": "w5"}], add_generation_prompt=False) == "w5"
+
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "It is <|im_end|> maybe"])
+def test_continue_final_message_matches_hf(smollm2_tokenizer, final):
+    """vLLM's continue_final_message: the last message left open, as HF's apply_chat_template
+    renders it (the reference), also when its text spells a special token."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": final}]
+    expected = smollm2_tokenizer.hf.apply_chat_template(
+        messages, chat_template=smollm2_tokenizer.chat_template, tokenize=False, add_generation_prompt=False,
+        continue_final_message=True)
+    assert smollm2_tokenizer.render_chat(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.rstrip().endswith(final.rstrip()) and not expected.endswith("<|im_end|>\n")
+    ids = smollm2_tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    if "<|im_end|>" not in final:
+        assert ids == smollm2_tokenizer.hf.encode(expected, add_special_tokens=False)
+    else:  # the user's "<|im_end|>" stays text: never the special token
+        assert ids.count(smollm2_tokenizer.hf.convert_tokens_to_ids("<|im_end|>")) == 2  # the two closed turns
+    with pytest.raises(ChatTemplateError, match="set add_generation_prompt to false"):
+        smollm2_tokenizer.render_chat(messages, continue_final_message=True)
