@@ -86,8 +86,10 @@ def _response_format(fmt: Any) -> GuideSpec | None:
             raise ApiError(400, "response_format.json_schema: expected {\"name\", \"schema\", \"strict\"?} with a "
                            "schema", "response_format")
         return guide.json_schema(spec["schema"], "response_format.json_schema.schema")
-    raise ApiError(400, f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                   "response_format")
+    if kind == "structural_tag":  # vLLM's: {"type", "structures": [{begin, schema, end}], "triggers"}
+        return guide.structural_tag(fmt, "response_format")
+    raise ApiError(400, f"response_format.type: must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                   f"got {kind!r}", "response_format")
 
 
 def _structured_outputs(so: Any) -> GuideSpec | None:
@@ -95,7 +97,8 @@ def _structured_outputs(so: Any) -> GuideSpec | None:
         return None
     if not isinstance(so, dict):
         raise ApiError(400, "structured_outputs: expected an object", "structured_outputs")
-    makers = {"json": guide.json_schema, "regex": guide.regex, "choice": guide.choice, "grammar": guide.grammar}
+    makers = {"json": guide.json_schema, "regex": guide.regex, "choice": guide.choice, "grammar": guide.grammar,
+              "structural_tag": guide.structural_tag}
     unknown = sorted(set(so) - set(makers) - {"json_object"})
     if unknown:
         raise ApiError(400, f"structured_outputs: unknown key(s) {unknown}", "structured_outputs")

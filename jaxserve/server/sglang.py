@@ -91,10 +91,11 @@ class AbortRequest(KnownFields):
 
 
 def guide_spec(sp: SGLangSamplingParams) -> GuideSpec | None:
-    """SGLang's constraint fields: regex, json_schema (a JSON string), ebnf (GBNF); one at most."""
-    if sp.structural_tag is not None:
-        raise not_supported("sampling_params.structural_tag", "structural_tag")
+    """SGLang's constraint fields: regex, json_schema (a JSON string), ebnf (GBNF), structural_tag
+    (a JSON string of structures and triggers); one at most."""
     return guide.only_one([
+        guide.structural_tag(sp.structural_tag, "sampling_params.structural_tag")
+        if sp.structural_tag is not None else None,
         guide.regex(sp.regex, "sampling_params.regex") if sp.regex is not None else None,
         guide.json_schema(sp.json_schema, "sampling_params.json_schema") if sp.json_schema is not None else None,
         guide.grammar(sp.ebnf, "sampling_params.ebnf") if sp.ebnf is not None else None,

@@ -185,6 +185,10 @@ class GrammarCompiler:
             return self._llguidance(self._ll_lark(spec), spec)
         if spec.kind == "llguidance":
             return self._llguidance(spec.text, spec)
+        if spec.kind == "structural_tag":  # a Lark grammar of its own (jaxserve.structured.compose)
+            from jaxserve.structured.compose import compose
+
+            return self._llguidance(compose(spec, None, spec.param).text, spec)
         raise GuideError(spec.param, f"unknown kind of structured output {spec.kind!r}")
 
     def _outlines(self, job_kind: str, text: str, spec: GuideSpec) -> Grammar:

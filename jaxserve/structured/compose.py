@@ -84,6 +84,8 @@ def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
         return [f"{name}: " + json_rule({"type": "object"})], []
     if spec.kind == "choice":
         return [f"{name}: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))], []
+    if spec.kind == "structural_tag":
+        return _structural_tag(name, json.loads(spec.text)), []
     terminal = name.upper() + "_RE"
     if spec.kind == "regex":
         return [f"{name}: {terminal}", f"{terminal}: /" + _slashes_escaped(spec.text) + "/"], []
@@ -96,6 +98,35 @@ def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
             raise GuideError(spec.param, f"invalid grammar: {' '.join(str(e).split())}") from None
         return [f"{name}: @user_grammar"], [{"name": "user_grammar", "lark_grammar": user}]
     raise GuideError(spec.param, f"{spec.kind} cannot be composed with a think block or tool calls")
+
+
+def _structural_tag(name: str, tag: dict[str, Any]) -> list[str]:
+    """Lark lines defining rule `name` as a structural tag: text free of triggers, and where a
+    trigger is written (a lazy lexeme ending at it), one of the structures its begin starts with:
+    the begin's rest, the schema's JSON, the end. Text never holds a trigger that no structure
+    follows, so every trigger written is a structure's start."""
+    triggers, structures = tag["triggers"], tag["structures"]
+    text = f"{name.upper()}_TEXT"
+    any_trigger = "|".join(_regex_literal(t) for t in triggers)
+    lines = [f"{name}: {name}_part* {text}", f"{text}: /(?s:.*)/ & ~/(?s:.*)(?:{any_trigger})(?s:.*)/"]
+    parts = []
+    for i, trigger in enumerate(triggers):
+        bodies = []
+        for k, s in enumerate(structures):
+            if s["begin"].startswith(trigger):
+                rest = s["begin"][len(trigger):]
+                lines.append(f"{name}_json_{i}_{k}: " + json_rule(s["schema"]))
+                bodies.append(" ".join(p for p in (json.dumps(rest) if rest else "", f"{name}_json_{i}_{k}",
+                                                   json.dumps(s["end"]) if s["end"] else "") if p))
+        if bodies:  # (a trigger that begins no structure can only be refused text)
+            lines += [f"{name}_head_{i}[lazy]: {text} {json.dumps(trigger)}", f"{name}_body_{i}: " + " | ".join(bodies)]
+            parts.append(f"{name}_head_{i} {name}_body_{i}")
+    return lines + [f"{name}_part: " + " | ".join(parts)]
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside Lark's /.../ (Rust regex syntax: punctuation escaped)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
 def _slashes_escaped(regex: str) -> str:

@@ -303,3 +303,28 @@ def test_bad_tool_choices_are_400(server, extra, message):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": ASK, "max_tokens": 4, **extra})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+STRUCTURAL_TAG = {"type": "structural_tag", "triggers": ["<function="],
+                  "structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}]}
+
+
+def test_structural_tag_binds_what_follows_a_trigger(client, server):
+    """vLLM's response_format structural_tag (and SGLang's sampling_params.structural_tag): text
+    is free, and the call the model writes after the trigger follows the structure."""
+    prompt = ('Q: What is the weather in Rome?\nA: <function=get_weather>{"city": "Rome"}</function>\n'
+              'Q: What is the weather in Oslo?\nA: <function=get_weather>{"city": "Oslo"}</function>\n'
+              "Q: What is the weather in Paris?\nA:")
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=["\nQ:"],
+                                  extra_body={"response_format": STRUCTURAL_TAG})
+    text = r.choices[0].text
+    calls = re.findall(r"<function=get_weather>(.*?)</function>", text)
+    assert calls, text  # the model called it (the examples lead it there)
+    for args in calls:
+        jsonschema.validate(json.loads(args), WEATHER)
+    assert text.count("<function=") == len(calls)  # every trigger written began a whole structure
+    tag = json.dumps({k: v for k, v in STRUCTURAL_TAG.items() if k != "type"})
+    sglang = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop": ["\nQ:"], "structural_tag": tag}}, timeout=120).json()
+    assert sglang["text"] == text

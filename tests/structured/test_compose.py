@@ -208,3 +208,37 @@ def test_qwen3_coder_string_parameters(compiler, smollm2_tokenizer):
     assert walk(compiler, smollm2_tokenizer, spec, good.replace('"XY"', '"WXYZ"'))[0] is False
     _, calls = T.parse(T.FORMATS["qwen3_coder"], good, fns)
     assert [c.arguments for c in calls] == ['{"u": "c", "code": "XY"}']
+
+
+# vLLM's example of a structural tag: calls written as <function=NAME>{args}</function> in free text.
+TAG = {"type": "structural_tag", "triggers": ["<function="],
+       "structures": [{"begin": "<function=get_weather>", "schema": FUNCTIONS["get_weather"], "end": "</function>"},
+                      {"begin": "<function=noargs>", "schema": FUNCTIONS["noargs"], "end": "</function>"}]}
+
+
+@pytest.mark.parametrize("text, allowed, accepting", [
+    ("Let me check.", True, True),
+    ('Let me check. <function=get_weather>{"city": "Paris"}</function> Done.', True, True),
+    ('<function=noargs>{}</function><function=get_weather>{"city": "Rome", "days": 2}</function>', True, True),
+    ('Checking <function=get_weather>{"city": "Paris"', True, False),  # inside a structure: not yet complete
+    ('Checking <function=get_time>{}</function>', False, False),  # no structure begins so
+    ('Checking <function=get_weather>{"town": "Paris"}</function>', False, False),  # the schema binds
+    ('<function=get_weather>{"city": "Paris"} and more', False, False),  # the end must follow the JSON
+])
+def test_structural_tags_bind_only_after_a_trigger(compiler, smollm2_tokenizer, text, allowed, accepting):
+    spec = S.structural_tag(TAG, "response_format")
+    ok, accepts = walk(compiler, smollm2_tokenizer, spec, text)
+    assert (ok, accepts) == (allowed, accepting)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"triggers": [], "structures": TAG["structures"]}, "triggers: expected a non-empty list"),
+    ({"triggers": ["<tool>"], "structures": TAG["structures"]}, "starts with none of the triggers"),
+    ({"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "nope"}, "end": ""}]},
+     "invalid JSON schema"),
+    ({"format": {"type": "tags"}}, "'format' form"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_structural_tags_are_refused_naming_why(bad, message):
+    with pytest.raises(S.GuideError, match=message):
+        S.structural_tag(bad, "response_format")
