@@ -642,7 +642,7 @@ _GENERATION_ONLY = {
     "--tool-call-parser / --enable-auto-tool-choice": "server.tool_call_parser", "--max-n": "server.max_n",
     "--structured-output-*": "server.structured",
     "--quantization-group-size": "model.quantization_group_size",
-    "--override-generation-config": "model.override_generation_config",
+    "--generation-config / --override-generation-config": "model.sampling_defaults",
     "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
     "--media-fetch-timeout": "media",

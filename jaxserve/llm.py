@@ -274,7 +274,10 @@ class LLM:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
         as max_tokens) over SamplingParams' defaults, as vLLM's LLM does."""
-        return SamplingParams(**self._sampling_defaults)
+        defaults = dict(self._sampling_defaults)
+        if "max_tokens" in defaults:  # a soft limit, cut to what each prompt leaves (as the server's)
+            defaults |= {"max_tokens": None, "default_max_tokens": defaults["max_tokens"]}
+        return SamplingParams(**defaults)
 
     def close(self) -> None:
         """Stop the constraint compile worker, if one was started (also done at exit)."""

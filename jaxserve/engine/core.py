@@ -178,6 +178,10 @@ class Engine:
         banned = len(params.bad_words_ids or []) + len(params.stop_token_ids) + len(self.eos_ids)
         if banned > MAX_BANNED_IDS:
             raise InvalidRequestError("bad_words", f"at most {MAX_BANNED_IDS} banned tokens per step, got {banned}")
+        if params.max_tokens is None and params.default_max_tokens is not None:
+            room = self.scheduler.check_fits(len(prompt_ids), None) - len(prompt_ids)  # refuses a prompt with none
+            params = dataclasses.replace(params, max_tokens=min(room, max(params.default_max_tokens,
+                                                                          params.min_tokens)))
         max_total = self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
         group = self._beam_search(len(prompt_ids), max_total, params) if params.use_beam_search else None
         # Only a request that will run gets its images encoded (on this thread, which owns the device).
@@ -186,7 +190,7 @@ class Engine:
         base_seed = params.seed if params.seed is not None else secrets.randbits(32)
         grammar = params.grammar
         if params.allowed_token_ids is not None:  # a mask around the request's own constraint, if any
-            grammar = AllowedTokensGrammar(grammar, params.allowed_token_ids, self.info.vocab_size)
+            grammar = AllowedTokensGrammar(grammar, params.allowed_token_ids, self.info.vocab_size, self.eos_ids)
         seqs, texts = [], []
         for i in range(1 if group is not None else params.num_samples):
             seq = Sequence(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),

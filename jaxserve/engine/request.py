@@ -32,6 +32,9 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None  # sample best_of, return the n with the best cumulative logprob
     max_tokens: int | None = 16  # None: up to the context limit
+    # The model's max_new_tokens (generation_config.json): the limit when max_tokens is None, cut to
+    # what the context and the KV cache leave (vLLM's rule), never a reason to refuse a request.
+    default_max_tokens: int | None = None
     min_tokens: int = 0  # EOS and stop ids are masked until this many tokens exist
     temperature: float = 1.0  # 0: greedy
     top_k: int = -1  # -1 or 0: off
@@ -106,6 +109,8 @@ class SamplingParams:
             _int_range("best_of", self.best_of, self.n, max_n)
         if self.max_tokens is not None:
             _int_range("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        if self.default_max_tokens is not None:
+            _int_range("default_max_tokens", self.default_max_tokens, 1, 2**31 - 1)
         _int_range("min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else 2**31 - 1)
         _float_range("temperature", self.temperature, 0.0, 100.0)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:

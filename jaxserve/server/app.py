@@ -68,6 +68,10 @@ def create_app(
     if state.sampling_defaults:  # as vLLM says it: a surprise otherwise, when answers differ from another server's
         log.info("requests that leave them unset sample with the model's generation_config.json: %s (start with "
                  "--generation-config vllm for the API's neutral defaults)", describe(state.sampling_defaults))
+        if async_engine.info.speculative_method and state.sampling_defaults.get("repetition_penalty", 1.0) != 1.0:
+            log.warning("speculative decoding drafts for no row with a repetition penalty, and the model's default "
+                        "gives every request that leaves it unset one: set repetition_penalty 1 per request, or "
+                        "--override-generation-config '{\"repetition_penalty\": 1.0}'")
     if state.tool_parser is not None:
         log.info("tool calls for tool_choice 'auto' read with the %s parser%s", state.tool_parser,
                  " (chosen from the chat template / architecture)" if tool_call_parser == "auto" else "")

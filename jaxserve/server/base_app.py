@@ -62,6 +62,8 @@ def base_app(state: Any, api_keys: tuple[str, ...], max_request_bytes: int, heal
     async def cross_origin_and_request_id(response: Response) -> Response:
         if cors is not None and not is_preflight(request.method, request.headers):
             for name, value in cors.response_headers(request.headers.get("Origin")).items():
+                if name == "Vary" and response.headers.get("Vary"):
+                    value = f"{response.headers['Vary']}, {value}"
                 response.headers[name] = value
         if request_id_headers:
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex

@@ -137,7 +137,8 @@ def truncate_prompt(prompt: list[int], images: Sequence[ImageItem], truncate: in
     cut = max(0, len(prompt) - truncation_length(truncate, max_model_len))
     if cut == 0:
         return prompt, list(images)
-    if any(item.offset < cut for item in images):
+    # (An image's placeholders follow a start marker: a cut at its first one would drop the marker.)
+    if any(item.offset <= cut for item in images):
         raise ApiError(400, f"truncate_prompt_tokens: keeping the last {len(prompt) - cut} of the prompt's "
                        f"{len(prompt)} tokens would cut an image out of it", "truncate_prompt_tokens")
     return prompt[cut:], [dataclasses.replace(item, offset=item.offset - cut) for item in images]

@@ -47,6 +47,8 @@ class ModelNames:
     def card(self, name: str, created: int, max_model_len: int) -> dict:
         """/v1/models/{name} (OpenAI's retrieve): the card of a name this server answers to, else 404."""
         self.check(name)
+        if name not in self.names:  # "default", or any name under --accept-any-model-name: the served model
+            name = self.primary
         return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": self.primary,
                 "parent": None, "max_model_len": max_model_len, "permission": []}
 

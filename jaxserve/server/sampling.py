@@ -48,7 +48,9 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], defaults: Map
     fields = tuple(fields)
     beams = bool(computed.get("use_beam_search")) or any(
         f.param == "use_beam_search" and value_of(f.name) for f in fields)
-    defaults = {} if beams or defaults is None else defaults
+    defaults = {} if beams or defaults is None else dict(defaults)
+    # The model's token limit is a soft one: the engine cuts it to the room the prompt leaves.
+    default_max = defaults.pop("max_tokens", None)
     kwargs: dict[str, Any] = {}
     for f in fields:
         value = value_of(f.name)
@@ -62,8 +64,10 @@ def build(fields: Iterable[Field], value_of: Callable[[str], Any], defaults: Map
         elif f.types is not None and (isinstance(value, bool) and bool not in f.types or not isinstance(value, f.types)):
             raise ApiError(400, f"{f.name}: expected {' or '.join(t.__name__ for t in f.types)}, got {value!r}", f.name)
         kwargs[f.param] = f.convert(value) if f.convert is not None else value
-    if computed.get("max_tokens", 0) is None and "max_tokens" in defaults:  # a limit the protocol computes
-        computed["max_tokens"] = defaults["max_tokens"]
+    if default_max is not None and (computed["max_tokens"] if "max_tokens" in computed else kwargs.get("max_tokens")) \
+            is None:  # the request set no limit (a protocol's own default counts as one: completions' 16)
+        kwargs.pop("max_tokens", None)
+        computed |= {"max_tokens": None, "default_max_tokens": default_max}
     # Defaults for knobs the protocol has no field for (the Responses API's top_k) apply too.
     tabled = {f.param for f in fields} | set(computed)
     kwargs |= {k: v for k, v in defaults.items() if k not in tabled}

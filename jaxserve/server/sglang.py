@@ -248,7 +248,8 @@ async def generate(state: ServerState) -> Response:
                 await flight.submit(rids[i] or new_id("gen"), prompt.ids, p, req.priority or 0, prompt.images,
                                     prompt.embeds)
         except InvalidRequestError as e:
-            raise _in_sglang_names(e, "text" if req.text is not None else "input_ids") from None
+            given = "text" if req.text is not None else "input_ids" if req.input_ids is not None else "input_embeds"
+            raise _in_sglang_names(e, given) from None
         if req.stream:
             return sse.sse_response(flight.respond(_stream(state, req, prompts, params, flight.streams, batch)))
         results = await flight.collect()

@@ -2,8 +2,10 @@
 
 A grammar around the request's own constraint (or none): its mask is the inner grammar's, AND the
 set's. It rides the structured-output path (a mask uploaded per step), so such a request is a
-constrained row like any other; an end-of-sequence token ends the output only if it is in the set,
-as in vLLM.
+constrained row like any other. Alone, an end-of-sequence token ends the output only if it is in
+the set (and then as any EOS does: ignore_eos and min_tokens hold), as in vLLM. With a constraint,
+where the constraint is complete and the set allows nothing it allows, the output may end: a
+finished match is not made an error by a set without an end token.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from jaxserve.structured.matcher import Grammar, Matcher
 class AllowedTokensGrammar:
     kind = "allowed_token_ids"
 
-    def __init__(self, inner: Grammar | None, allowed: Iterable[int], vocab_size: int):
+    def __init__(self, inner: Grammar | None, allowed: Iterable[int], vocab_size: int, eos_ids: Iterable[int] = ()):
         self.inner = inner
+        self.eos_ids = tuple(eos_ids)
         ids = np.fromiter(set(allowed), dtype=np.int64)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab_size:
             raise ValueError(f"allowed token ids must be a non-empty set in [0, {vocab_size})")
@@ -45,9 +48,14 @@ class AllowedTokensMatcher:
             out[:words] = self.g.mask
             return
         self.inner.fill_mask(out)
+        ends = [e for e in self.g.eos_ids if out[e >> 5] >> np.uint32(e & 31) & 1]  # the constraint may end here
         out[:words] &= self.g.mask
         out[words:] = 0
         self.empty = not out.any()
+        if self.empty and ends:
+            for e in ends:
+                out[e >> 5] |= np.uint32(1 << (e & 31))
+            self.empty = False
 
     def advance(self, token: int) -> bool:
         if token not in self.g.allowed:
@@ -55,7 +63,9 @@ class AllowedTokensMatcher:
         return self.inner.advance(token) if self.inner is not None else True
 
     def is_accepting(self) -> bool:
-        return self.inner.is_accepting() if self.inner is not None else True
+        # Alone: never "complete", so a sampled EOS (one in the set) meets the usual EOS rules
+        # (ignore_eos, min_tokens) rather than ending the output as a finished match would.
+        return self.inner.is_accepting() if self.inner is not None else False
 
     def error(self) -> str | None:
         if self.inner is not None and (why := self.inner.error()) is not None:

@@ -26,7 +26,7 @@ def test_generate_returns_outputs_in_prompt_order(tmp_path):
     expected = greedy_reference(llm.model, prompts, 6)
     assert [o.outputs[0].token_ids for o in outs] == expected
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    assert (defaults.temperature, defaults.max_tokens, defaults.default_max_tokens) == (0.0, None, 5)
     plain = llm.generate(prompts[:1], use_tqdm=False)[0].outputs[0]  # greedy, at most 5 tokens
     assert plain.token_ids == expected[0][: len(plain.token_ids)] and 1 <= len(plain.token_ids) <= 5
     assert [o.prompt_token_ids for o in outs] == prompts and all(o.prompt is None for o in outs)

@@ -187,8 +187,9 @@ def test_truncating_a_prompt_moves_its_images_and_refuses_to_split_one():
     kept, images = truncate_prompt(prompt, [image], 12, max_model_len=64)
     assert kept == prompt[8:] and images[0].offset == 2 and images[0].num_tokens == 4
     assert truncate_prompt(prompt, [image], -1, max_model_len=64) == (prompt, [image])
-    with pytest.raises(ApiError, match="cut an image"):
-        truncate_prompt(prompt, [image], 9, max_model_len=64)
+    for keep in (9, 10):  # into the image, or just past its start marker
+        with pytest.raises(ApiError, match="cut an image"):
+            truncate_prompt(prompt, [image], keep, max_model_len=64)
     for bad in (0, -3, 65):
         with pytest.raises(ApiError) as e:
             truncate_prompt(prompt, [], bad, max_model_len=64)

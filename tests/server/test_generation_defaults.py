@@ -38,6 +38,10 @@ def test_unset_fields_take_the_model_defaults(model_defaults_server):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                           extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+    # A soft limit: min_tokens above it wins (as vLLM's), and it is never a reason to refuse.
+    longer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                            extra_body={"ignore_eos": True, "min_tokens": 8})
+    assert longer.usage.completion_tokens == 8
     # Beam search takes none of them (top_k would be refused with it).
     beams = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2,
                                       extra_body={"use_beam_search": True})
@@ -46,6 +50,21 @@ def test_unset_fields_take_the_model_defaults(model_defaults_server):
     response = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=8)
     again = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=8)
     assert response.output_text == again.output_text
+
+
+def test_a_model_limit_beyond_the_context_is_cut_to_it(async_engine, smollm2_tokenizer):
+    """generation_config's max_new_tokens larger than the room a prompt leaves: the request runs
+    to the context's end instead of being refused for a limit the client never sent."""
+    app = create_app(async_engine, smollm2_tokenizer, MODEL, MAX_MODEL_LEN, sampling_defaults={"max_tokens": 10**6})
+    live = start_server(app)
+    try:
+        prompt = "Count: " + "one two three " * 100  # most of the 512-token context
+        r = httpx.post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "ignore_eos": True}, timeout=300)
+        usage = r.json()["usage"]
+        assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN, r.text
+    finally:
+        live.close()
 
 
 def test_sglang_and_triton_take_them_too(model_defaults_server):

@@ -49,7 +49,8 @@ def test_alone_it_allows_exactly_the_set():
     out = np.full(5, 0xFFFFFFFF, np.uint32)  # a padded mask: words past the vocabulary stay closed
     m.fill_mask(out)
     assert _allowed(out) == [3, 40, 99]
-    assert m.advance(40) and not m.advance(41) and m.is_accepting() and m.error() is None
+    # Never "complete" alone: a listed EOS ends the output by the usual EOS rules (ignore_eos, min_tokens).
+    assert m.advance(40) and not m.advance(41) and not m.is_accepting() and m.error() is None
 
 
 def test_with_a_grammar_it_is_the_intersection():
@@ -61,6 +62,10 @@ def test_with_a_grammar_it_is_the_intersection():
     disjoint = AllowedTokensGrammar(_Only({3}), [9], vocab_size=64).matcher()
     disjoint.fill_mask(out)
     assert not out.any() and "allows none of these tokens" in disjoint.error()
+    # A complete match may end although the set lists no end token: EOS (2) is let through.
+    done = AllowedTokensGrammar(_Only({2, 3}), [9], vocab_size=64, eos_ids=[2]).matcher()
+    done.fill_mask(out)
+    assert _allowed(out) == [2] and done.error() is None
 
 
 @pytest.mark.parametrize("ids", [[], [-1], [64]])
