@@ -308,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "cookies and Authorization (the allowed origin is then echoed, never '*')")
     s.add_argument("--enable-request-id-headers", action="store_true", help="add X-Request-Id to every response: "
                    "the request's own X-Request-Id header, or a fresh id (vLLM's flag)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true", help="logprobs show each token as "
+                   "'token_id:N' rather than its text (vLLM's flag; a request's return_tokens_as_token_ids "
+                   "overrides it), for clients that must map tokens whose bytes are not valid text")
     s.add_argument("--max-concurrent-requests", type=int, default=1024, help="requests in flight at once; "
                    "more get 429 at once (no unbounded queue)")
     s.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger -> 413")
@@ -583,6 +586,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             allowed_headers=_names(args.allowed_headers),
             allowed_credentials=args.allowed_credentials,
             request_id_headers=args.enable_request_id_headers,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             max_concurrent_requests=args.max_concurrent_requests,
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,
@@ -642,6 +646,7 @@ _GENERATION_ONLY = {
     "--tool-call-parser / --enable-auto-tool-choice": "server.tool_call_parser", "--max-n": "server.max_n",
     "--structured-output-*": "server.structured",
     "--quantization-group-size": "model.quantization_group_size",
+    "--return-tokens-as-token-ids": "server.return_tokens_as_token_ids",
     "--generation-config / --override-generation-config": "model.sampling_defaults",
     "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
@@ -779,7 +784,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           structured=srv.structured, warm_structured=True,
                           reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser,
                           cors=cors_policy(srv), request_id_headers=srv.request_id_headers,
-                          sampling_defaults=config.model.sampling_defaults)
+                          sampling_defaults=config.model.sampling_defaults,
+                          return_tokens_as_token_ids=srv.return_tokens_as_token_ids)
 
     srv = config.server
     try:

@@ -51,6 +51,7 @@ def create_app(
     cors: CorsPolicy | None = CorsPolicy(),
     request_id_headers: bool = False,
     sampling_defaults: dict[str, Any] | None = None,
+    return_tokens_as_token_ids: bool = False,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests)."""
@@ -64,6 +65,7 @@ def create_app(
         tool_parser=(tool_parsers.resolve(tool_call_parser, tokenizer.chat_template, async_engine.info.architecture)
                      if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
         images=images, sampling_defaults=dict(sampling_defaults or {}),
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     if state.sampling_defaults:  # as vLLM says it: a surprise otherwise, when answers differ from another server's
         log.info("requests that leave them unset sample with the model's generation_config.json: %s (start with "

@@ -55,6 +55,7 @@ class ServerState:
     # What a request leaves unset samples with: the model's generation_config.json (SamplingParams
     # fields; jaxserve.generation_config), before each protocol's own defaults.
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs show "token_id:N"
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False

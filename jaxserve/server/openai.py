@@ -194,14 +194,28 @@ def verbatim_text(state: ServerState, ids: list[int]) -> str:
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
-def legacy_prompt_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob | None]) -> dict[str, Any]:
+def tokens_as_ids(state: ServerState, req: SamplingFields) -> bool:
+    """vLLM's return_tokens_as_token_ids: the request's, else the server's
+    --return-tokens-as-token-ids."""
+    given = req.return_tokens_as_token_ids
+    return state.return_tokens_as_token_ids if given is None else given
+
+
+def shown_token(state: ServerState, token_id: int, as_ids: bool = False) -> str:
+    """A token as logprobs show it: its own text, or vLLM's "token_id:N" (return_tokens_as_token_ids,
+    for clients that must map every token back, whatever bytes it holds)."""
+    return f"token_id:{token_id}" if as_ids else token_text(state.tokenizer, token_id)
+
+
+def legacy_prompt_logprobs(state: ServerState, ids: list[int], lps: list[TokenLogprob | None],
+                           as_ids: bool = False) -> dict[str, Any]:
     """The echoed prompt's part of OpenAI's completions logprobs: the first token has none."""
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
     for tid, lp in zip(ids, lps):
-        text = token_text(state.tokenizer, tid)
+        text = shown_token(state, tid, as_ids)
         tokens.append(text)
         token_logprobs.append(lp.logprob if lp else None)
-        top.append(({token_text(state.tokenizer, i): v for i, v in lp.top} | {text: lp.logprob}) if lp else None)
+        top.append(({shown_token(state, i, as_ids): v for i, v in lp.top} | {text: lp.logprob}) if lp else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -225,14 +239,14 @@ def vllm_prompt_logprobs(state: ServerState, lps: list[TokenLogprob | None]) -> 
     return [entries(lp) if lp else None for lp in lps]
 
 
-def legacy_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def legacy_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int, as_ids: bool = False) -> dict[str, Any]:
     """OpenAI's completions shape: parallel lists, top alternatives as {token text: logprob}."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for lp in lps:
-        text = token_text(state.tokenizer, lp.token_id)
+        text = shown_token(state, lp.token_id, as_ids)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        alternatives = {token_text(state.tokenizer, i): v for i, v in lp.top}
+        alternatives = {shown_token(state, i, as_ids): v for i, v in lp.top}
         alternatives.setdefault(text, lp.logprob)
         top.append(alternatives)
         offsets.append(offset)
@@ -240,9 +254,9 @@ def legacy_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) ->
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(state: ServerState, lps: list[TokenLogprob], num_top: int) -> dict[str, Any]:
+def chat_logprobs(state: ServerState, lps: list[TokenLogprob], num_top: int, as_ids: bool = False) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(state.tokenizer, token_id)
+        text = shown_token(state, token_id, as_ids)
         return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[:num_top]]}
@@ -319,9 +333,10 @@ async def completions(state: ServerState) -> Response:
         total.add(i, res)
         echo = verbatim_text(state, ids) if req.echo else ""
         for o in res.outputs:
-            logprobs = legacy_logprobs(state, o.logprobs, len(echo)) if o.logprobs is not None else None
+            as_ids = tokens_as_ids(state, req)
+            logprobs = legacy_logprobs(state, o.logprobs, len(echo), as_ids) if o.logprobs is not None else None
             if req.echo and logprobs is not None and res.prompt_logprobs is not None:
-                logprobs = join_logprobs(legacy_prompt_logprobs(state, ids, res.prompt_logprobs), logprobs)
+                logprobs = join_logprobs(legacy_prompt_logprobs(state, ids, res.prompt_logprobs, as_ids), logprobs)
             choice = {"index": i * req.n + o.index, "text": echo + o.text, "logprobs": logprobs,
                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
             if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
@@ -363,11 +378,12 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
                 choice = {"index": index, "text": echo + o.text, "logprobs": None, "finish_reason": o.finish_reason,
                           "stop_reason": o.stop_reason}
                 if o.logprobs is not None:
-                    choice["logprobs"] = legacy_logprobs(state, o.logprobs, offsets[index])
+                    as_ids = tokens_as_ids(state, req)
+                    choice["logprobs"] = legacy_logprobs(state, o.logprobs, offsets[index], as_ids)
                     offsets[index] += sum(len(t) for t in choice["logprobs"]["tokens"])
                     if first and req.echo and i in prompt_lps:
-                        choice["logprobs"] = join_logprobs(legacy_prompt_logprobs(state, prompts[i], prompt_lps[i]),
-                                                           choice["logprobs"])
+                        choice["logprobs"] = join_logprobs(
+                            legacy_prompt_logprobs(state, prompts[i], prompt_lps[i], as_ids), choice["logprobs"])
                 if first and req.prompt_logprobs is not None and i in prompt_lps:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_lps[i])
                 if req.return_token_ids:

@@ -26,6 +26,7 @@ from jaxserve.server.openai import (
     guide_spec,
     parse,
     sampling_params,
+    tokens_as_ids,
     usage,
     vllm_prompt_logprobs,
 )
@@ -92,7 +93,7 @@ async def chat_completions(state: ServerState) -> Response:
     choices = []
     for o in res.outputs:
         choice = {"index": o.index, "message": {"role": "assistant"} | answers.message(o.text, o.finish_reason, plan),
-                  "logprobs": (chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
+                  "logprobs": (chat_logprobs(state, o.logprobs, req.top_logprobs or 0, tokens_as_ids(state, req))
                                if o.logprobs is not None else None),
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         if choice["message"].get("tool_calls"):
@@ -161,7 +162,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
                 choice = {"index": o.index, "delta": delta_body, "logprobs": None,
                           "finish_reason": finish, "stop_reason": o.stop_reason}
                 if o.logprobs is not None:
-                    choice["logprobs"] = chat_logprobs(state, o.logprobs, req.top_logprobs or 0)
+                    choice["logprobs"] = chat_logprobs(state, o.logprobs, req.top_logprobs or 0,
+                                                       tokens_as_ids(state, req))
                 if req.return_token_ids:
                     choice["token_ids"] = o.token_ids
                 yield chunk([choice])

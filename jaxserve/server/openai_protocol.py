@@ -59,6 +59,7 @@ class SamplingFields(_Strict):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # vLLM's; None: the server's --return-tokens-as-token-ids
     priority: int = 0
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); nothing is cut

@@ -319,7 +319,8 @@ class Reply:
             self.num_output += len(o.token_ids)
             self.counter.add(o.token_ids)
             if o.logprobs is not None:
-                self.token_logprobs += chat_logprobs(self.state, o.logprobs, self.num_top)["content"]
+                self.token_logprobs += chat_logprobs(self.state, o.logprobs, self.num_top,
+                                                     self.state.return_tokens_as_token_ids)["content"]
             if o.finish_reason is not None:
                 finish = self.finish_reason = o.finish_reason
                 self.completed_at = int(time.time())

@@ -364,3 +364,21 @@ def test_continue_final_message_prefills_the_reply(client, server, smollm2_token
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
                                        extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+
+
+def test_return_tokens_as_token_ids(client):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:N", whole and streamed."""
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                                          "return_token_ids": True}).choices[0]
+    assert r.logprobs.tokens == [f"token_id:{t}" for t in r.token_ids]
+    assert all(all(k.startswith("token_id:") for k in top) for top in r.logprobs.top_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                         logprobs=0, stream=True, extra_body={"return_tokens_as_token_ids": True})
+    assert [t for chunk in streamed for t in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])
+            ] == r.logprobs.tokens
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=1, extra_body={"return_tokens_as_token_ids": True,
+                                                                      "return_token_ids": True}).choices[0]
+    assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert chat.logprobs.content[0].bytes == list(chat.logprobs.content[0].token.encode())
