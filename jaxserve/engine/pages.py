@@ -35,6 +35,14 @@ def page_hash(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
     return hashlib.sha256((parent or _ROOT_HASH) + array("q", token_ids).tobytes()).digest()
 
 
+def salted_root(salt: str | None) -> bytes | None:
+    """The parent of a request's first page under vLLM's cache_salt: requests share cached pages
+    only with requests that carry the same salt (None: the common, unsalted cache)."""
+    if salt is None:
+        return None
+    return hashlib.sha256(_ROOT_HASH + b"\x00cache_salt\x00" + salt.encode()).digest()
+
+
 class PageAllocator:
     """Reference-counted KV pages with an LRU prefix cache. Not thread-safe: the engine loop owns it."""
 
@@ -142,8 +150,9 @@ class PageAllocator:
 
     # -- prefix cache -------------------------------------------------------------------------------
 
-    def peek_prefix(self, token_ids: SequenceABC[int]) -> tuple[list[int], int]:
+    def peek_prefix(self, token_ids: SequenceABC[int], root: bytes | None = None) -> tuple[list[int], int]:
         """Cached full pages covering the longest prefix of `token_ids[:-1]`, without taking them.
+        `root`: the salted parent of the first page (salted_root), None for the common cache.
 
         The last token is never covered so that a sequence always computes at least one token and
         gets logits to sample from.
@@ -151,7 +160,7 @@ class PageAllocator:
         if not self.enable_prefix_caching:
             return [], 0
         pages: list[int] = []
-        parent = None
+        parent = root
         size = self.page_size
         for i in range((len(token_ids) - 1) // size):
             key = page_hash(parent, token_ids[i * size : (i + 1) * size])
@@ -162,13 +171,14 @@ class PageAllocator:
             parent = key
         return pages, len(pages) * size
 
-    def match_prefix(self, token_ids: SequenceABC[int], count_stats: bool = True) -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: SequenceABC[int], count_stats: bool = True,
+                     root: bytes | None = None) -> tuple[list[int], int]:
         """Like `peek_prefix`, but takes a reference to each matched page (reviving evictable ones).
 
         Returns (pages, num_cached_tokens). `count_stats=False` keeps recomputes after preemption
         out of the hit-rate metric.
         """
-        pages, num_tokens = self.peek_prefix(token_ids)
+        pages, num_tokens = self.peek_prefix(token_ids, root)
         for page in pages:
             if self._ref_counts[page] == 0:
                 del self._evictable[page]
@@ -190,7 +200,7 @@ class PageAllocator:
         first = num_full
         while first > 0 and seq.pages[first - 1] not in self._page_hash:
             first -= 1
-        parent = self._page_hash[seq.pages[first - 1]] if first else None
+        parent = self._page_hash[seq.pages[first - 1]] if first else salted_root(seq.params.cache_salt)
         size = self.page_size
         for i in range(first, num_full):
             page = seq.pages[i]

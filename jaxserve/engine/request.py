@@ -62,6 +62,9 @@ class SamplingParams:
     # vLLM's: only these tokens are ever sampled (with the grammar, when there is one); end-of-
     # sequence only if listed. None: any token.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the prefix cache shares pages only among requests with the same salt (a tenant's
+    # secret), so no one can learn from cache hits what others' prompts were. None: shared.
+    cache_salt: str | None = None
     # Prompt-lookup (n-gram) speculative decoding, on a server started with it: draft tokens per
     # verify step (None: the server's --num-speculative-tokens; 0: off for this request) and the
     # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.
@@ -134,6 +137,8 @@ class SamplingParams:
             _int_range("seed", self.seed, -(2**63), 2**64 - 1)
         for tid in self.stop_token_ids:
             _token("stop_token_ids", tid, vocab_size)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt", "must be a non-empty string")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of token ids")

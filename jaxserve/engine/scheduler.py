@@ -53,7 +53,7 @@ from collections.abc import Sequence as SequenceABC
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.beam import BeamSearch, Continuation
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE, NgramDrafter
-from jaxserve.engine.pages import NULL_PAGE, PageAllocator
+from jaxserve.engine.pages import NULL_PAGE, PageAllocator, salted_root
 from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
 from jaxserve.errors import InvalidRequestError, RequestTooLongError
 
@@ -361,14 +361,15 @@ class Scheduler:
             if self._slots_needed(seq) > len(self._free_slots):
                 return
             tokens = self._matchable_tokens(seq)
-            cached, num_cached = self.allocator.peek_prefix(tokens)
+            root = salted_root(seq.params.cache_salt)
+            cached, num_cached = self.allocator.peek_prefix(tokens, root)
             end = min(seq.num_tokens, num_cached + budget)
             num_new = self.allocator.pages_for(end) - len(cached)
             if not self.allocator.can_allocate(num_new, cached):
                 return
             del self.waiting[i]
             first_admission = seq.num_preemptions == 0
-            cached, num_cached = self.allocator.match_prefix(tokens, count_stats=first_admission)
+            cached, num_cached = self.allocator.match_prefix(tokens, count_stats=first_admission, root=root)
             seq.pages = cached + self.allocator.allocate(num_new)
             seq.num_computed_tokens = num_cached
             if first_admission:

@@ -58,6 +58,7 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only among requests with the same salt
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # vLLM's; None: the server's --return-tokens-as-token-ids
     priority: int = 0

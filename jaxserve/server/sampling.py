@@ -134,6 +134,7 @@ OPENAI = (
     Field("logit_bias", "logit_bias", convert=token_bias("logit_bias")), Field("seed", "seed"),
     Field("ignore_eos", "ignore_eos"), Field("stop", "stop", convert=stop_list),
     Field("stop_token_ids", "stop_token_ids", convert=list), Field("allowed_token_ids", "allowed_token_ids"),
+    Field("cache_salt", "cache_salt"),
     Field("include_stop_str_in_output", "include_stop_str_in_output"), Field("prompt_logprobs", "prompt_logprobs"),
     Field("skip_special_tokens", "skip_special_tokens"),
     Field("spaces_between_special_tokens", "spaces_between_special_tokens"),

@@ -382,3 +382,22 @@ def test_return_tokens_as_token_ids(client):
                                                                       "return_token_ids": True}).choices[0]
     assert [c.token for c in chat.logprobs.content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
     assert chat.logprobs.content[0].bytes == list(chat.logprobs.content[0].token.encode())
+
+
+def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
+    """vLLM's cache_salt: a prompt cached without a salt (or under another) is no hit; the same salt
+    hits, as does no salt for the unsalted copy."""
+    prompt = "Salt test. " + "alpha beta gamma delta epsilon zeta eta theta " * 8
+
+    def cached(**extra) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"

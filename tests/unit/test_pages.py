@@ -204,3 +204,22 @@ def test_integrity_errors_are_detected():
     alloc._hash_to_page.clear()  # evictable pages no longer findable
     with pytest.raises(RuntimeError, match="evictable page .* cannot be found"):
         alloc.check_idle()
+
+
+def test_a_salted_prefix_is_found_only_with_its_salt():
+    """vLLM's cache_salt: pages registered under a salt serve requests with that salt only, and
+    unsalted pages serve no salted request."""
+    from jaxserve.engine.pages import salted_root
+
+    alloc = PageAllocator(num_pages=16, page_size=PS)
+    tokens = list(range(9))
+    salted = Sequence("s", list(tokens), len(tokens), SamplingParams(cache_salt="tenant-a"), len(tokens) + 1)
+    salted.pages = alloc.allocate(alloc.pages_for(len(tokens)))
+    salted.num_computed_tokens = len(tokens)
+    alloc.register_full_pages(salted)
+    assert alloc.peek_prefix(tokens) == ([], 0)
+    assert alloc.peek_prefix(tokens, salted_root("tenant-b")) == ([], 0)
+    assert alloc.peek_prefix(tokens, salted_root("tenant-a")) == (salted.pages[:2], 8)
+    plain = computed_seq(alloc, tokens)
+    assert alloc.peek_prefix(tokens) == (plain.pages[:2], 8)
+    assert alloc.peek_prefix(tokens, salted_root("tenant-a"))[0] == salted.pages[:2]
