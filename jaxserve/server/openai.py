@@ -201,6 +201,13 @@ def tokens_as_ids(state: ServerState, req: SamplingFields) -> bool:
     return state.return_tokens_as_token_ids if given is None else given
 
 
+def response_id(prefix: str, given: str | None) -> str:
+    """vLLM's response id: prefix + the X-Request-Id header, else the body's request_id, else a
+    fresh one (the engine runs it under this id: /abort_request can name it)."""
+    base = request.headers.get("X-Request-Id") or given
+    return f"{prefix}-{base}" if base else new_id(prefix)
+
+
 def shown_token(state: ServerState, token_id: int, as_ids: bool = False) -> str:
     """A token as logprobs show it: its own text, or vLLM's "token_id:N" (return_tokens_as_token_ids,
     for clients that must map every token back, whatever bytes it holds)."""
@@ -320,7 +327,7 @@ async def completions(state: ServerState) -> Response:
     await attach_grammar(state, params, guide_spec(req))
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
-    request_id = new_id("cmpl")
+    request_id = response_id("cmpl", req.request_id)
     async with state.admit() as flight:
         for i, ids in enumerate(prompts):
             await flight.submit(f"{request_id}-{i}", ids, params, req.priority, embeds=embeds[i])

@@ -14,7 +14,7 @@ from quart import Response, jsonify
 
 from jaxserve.server import answers, reasoning, sse
 from jaxserve.server.errors import ApiError, error_event
-from jaxserve.server.generation import ServerState, merged, new_id, truncate_prompt
+from jaxserve.server.generation import ServerState, merged, truncate_prompt
 from jaxserve.server.openai import (
     _Usage,
     _usage_options,
@@ -25,6 +25,7 @@ from jaxserve.server.openai import (
     expand_images,
     guide_spec,
     parse,
+    response_id,
     sampling_params,
     tokens_as_ids,
     usage,
@@ -82,13 +83,14 @@ async def chat_completions(state: ServerState) -> Response:
     plan = answers.plan(state, prompt, forced, auto, schemas)
     await answers.constrain(state, params, plan, guide_spec(req), req.parallel_tool_calls is not False,
                             req.reasoning_max_tokens)
-    request_id = new_id("chatcmpl")
+    request_id = response_id("chatcmpl", req.request_id)
+    echoed = echoed_text(req)
     async with state.admit() as flight:
         await flight.submit(request_id, prompt, params, req.priority, images=images)
         image_tokens = sum(item.num_tokens for item in images)
         if req.stream:
             return sse.sse_response(flight.respond(_chat_stream(state, req, request_id, prompt, flight.streams, plan,
-                                                                image_tokens)))
+                                                                image_tokens, echoed)))
         (res,) = await flight.collect()
     choices = []
     for o in res.outputs:
@@ -98,6 +100,10 @@ async def chat_completions(state: ServerState) -> Response:
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         if choice["message"].get("tool_calls"):
             choice["finish_reason"] = answers.tool_finish(plan.forced, o.finish_reason)
+        if not req.include_reasoning and "reasoning_content" in choice["message"]:
+            choice["message"]["reasoning_content"] = None
+        if echoed:
+            choice["message"]["content"] = echoed + (choice["message"].get("content") or "")
         if req.return_token_ids:
             choice["token_ids"] = o.token_ids  # vLLM's place; the message carries both lists too
             choice["message"] |= {"prompt_token_ids": prompt, "completion_token_ids": o.token_ids}
@@ -119,8 +125,22 @@ async def chat_completions(state: ServerState) -> Response:
     return jsonify(body)
 
 
+def echoed_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text, when it is the assistant's (the reply
+    continues it, as with continue_final_message); else nothing."""
+    if not req.echo or isinstance(req.messages[0], int):
+        return ""
+    last = req.messages[-1]
+    if last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "".join(p.text or "" for p in last.content if p.type == "text")
+    return last.content or ""
+
+
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt: list[int],
-                       streams: list, plan: answers.OutputPlan, image_tokens: int = 0) -> AsyncIterator[bytes]:
+                       streams: list, plan: answers.OutputPlan, image_tokens: int = 0,
+                       echoed: str = "") -> AsyncIterator[bytes]:
     """Each delta's text split into reasoning_content, content and tool_calls (answers.OutputStream); a
     piece of a tag or trigger is held back until the next token decides it."""
     created = int(time.time())
@@ -147,6 +167,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}],
                         **({"prompt_token_ids": prompt} if req.return_token_ids and index == 0 else {}))
+            if echoed:  # the echoed message, before the continuation
+                yield chunk([{"index": index, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}])
         async for i, delta in merged(streams):
             total.add(i, delta)
             for o in delta.outputs:
@@ -154,6 +176,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
                     counters[o.index].add(o.token_ids)
                 out = outputs[o.index]
                 delta_body = out.delta(o.text, o.finish_reason)
+                if not req.include_reasoning:
+                    delta_body.pop("reasoning_content", None)
                 finish = o.finish_reason
                 if finish is not None and out.called:
                     finish = answers.tool_finish(plan.forced, finish)

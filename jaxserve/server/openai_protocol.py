@@ -59,6 +59,8 @@ class SamplingFields(_Strict):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages shared only among requests with the same salt
+    # vLLM's: the response's id is "cmpl-"/"chatcmpl-" + this (an X-Request-Id header wins, as in vLLM).
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # vLLM's; None: the server's --return-tokens-as-token-ids
     priority: int = 0
@@ -138,6 +140,10 @@ class ChatCompletionRequest(SamplingFields):
     # concatenates the messages' text (tokenized as user text: no special tokens from it).
     disable_chat_template: bool = False
     prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    # vLLM's: the last message's text before the reply when it is the assistant's (a continued
+    # message shown whole), and whether a reasoning model's thinking comes back (reasoning_content).
+    echo: bool = False
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(_Strict):

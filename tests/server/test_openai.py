@@ -401,3 +401,27 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_request_ids_and_chat_echo(client, server):
+    """vLLM's request_id (and the X-Request-Id header, which wins) name the response; chat `echo`
+    puts a continued assistant message before its continuation, whole and streamed."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "abc123"})
+    assert r.id == "cmpl-abc123"
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={"request_id": "q1"},
+                                       extra_headers={"X-Request-Id": "from-header"})
+    assert r.id == "chatcmpl-from-header"
+    messages = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=extra)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={**extra, "echo": False})
+    assert whole.choices[0].message.content == "The answer is" + plain.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body=extra, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+    # A last message from the user is not echoed (only the assistant's is continued).
+    user_last = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                               extra_body={"echo": True})
+    assert not user_last.choices[0].message.content.startswith(CHAT[0]["content"])

@@ -68,6 +68,13 @@ def test_deepseek_r1_splits_an_echoed_think_block(servers, smollm2_tokenizer, st
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_include_reasoning_false_drops_the_think_block(servers, stream):
+    """vLLM's include_reasoning: false returns the answer only (reasoning_content null)."""
+    reasoning, content, usage = _chat(servers["deepseek_r1"], ECHO, stream, extra_body={"include_reasoning": False})
+    assert (reasoning, content) == (None, " yes") and usage.completion_tokens_details.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_unfinished_reasoning_and_no_reasoning(servers, stream):
     raw = servers["plain"].chat.completions.create(model=MODEL, messages=PLAIN, temperature=0.0, max_tokens=24)
     text = raw.choices[0].message.content
