@@ -37,7 +37,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_objects"}}, 400, "response_format",
-     "must be 'text', 'json_object' or 'json_schema'"),
+     "must be 'text', 'json_object', 'json_schema' or 'structural_tag'"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "20"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",

@@ -305,9 +305,9 @@ def test_bad_tool_choices_are_400(server, extra, message):
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CITY_ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 STRUCTURAL_TAG = {"type": "structural_tag", "triggers": ["<function="],
-                  "structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}]}
+                  "structures": [{"begin": "<function=get_weather>", "schema": CITY_ARGS, "end": "</function>"}]}
 
 
 def test_structural_tag_binds_what_follows_a_trigger(client, server):
@@ -322,7 +322,7 @@ def test_structural_tag_binds_what_follows_a_trigger(client, server):
     calls = re.findall(r"<function=get_weather>(.*?)</function>", text)
     assert calls, text  # the model called it (the examples lead it there)
     for args in calls:
-        jsonschema.validate(json.loads(args), WEATHER)
+        jsonschema.validate(json.loads(args), CITY_ARGS)
     assert text.count("<function=") == len(calls)  # every trigger written began a whole structure
     tag = json.dumps({k: v for k, v in STRUCTURAL_TAG.items() if k != "type"})
     sglang = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
