@@ -55,11 +55,7 @@ def choice(value: Any, param: str) -> GuideSpec:
 
 def json_schema(value: Any, param: str) -> GuideSpec:
     """A schema given as an object or as JSON text; checked against the JSON Schema meta-schema."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(_text(value, param))
-        except json.JSONDecodeError as e:
-            raise GuideError(param, f"the schema is not valid JSON: {e}") from None
+    value = _loaded(value, param, "the schema")
     if not isinstance(value, dict):
         raise GuideError(param, f"a JSON schema must be an object, got {type(value).__name__}")
     import jsonschema
@@ -85,11 +81,7 @@ def structural_tag(value: Any, param: str) -> GuideSpec:
     writes one of `triggers`, one of `structures` whose `begin` starts with it follows: the rest of
     its begin, JSON matching its `schema`, then its `end`. Given as an object or as JSON text
     (SGLang's sampling_params.structural_tag); canonical text {"structures", "triggers"}."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(_text(value, param))
-        except json.JSONDecodeError as e:
-            raise GuideError(param, f"not valid JSON: {e}") from None
+    value = _loaded(value, param, "the structural tag")
     if not isinstance(value, dict):
         raise GuideError(param, "expected an object with structures and triggers")
     if "format" in value:  # xgrammar's newer tag language
@@ -116,6 +108,16 @@ def structural_tag(value: Any, param: str) -> GuideSpec:
         schema = json.loads(json_schema(s.get("schema", {}), f"{where}.schema").text)
         out.append({"begin": s["begin"], "schema": schema, "end": s["end"]})
     return GuideSpec("structural_tag", json.dumps({"structures": out, "triggers": triggers}), param)
+
+
+def _loaded(value: Any, param: str, what: str) -> Any:
+    """A constraint given as an object, or as JSON text (SGLang sends its schemas and tags so)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(_text(value, param))
+    except json.JSONDecodeError as e:
+        raise GuideError(param, f"{what} is not valid JSON: {e}") from None
 
 
 def _text(value: Any, param: str) -> str:
