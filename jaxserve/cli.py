@@ -790,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     srv = config.server
     try:
         # Blocks until SIGTERM/SIGINT; the port answers 503 while the model loads and compiles.
-        serve_while_loading(load, srv.host, srv.port, shutdown_timeout=srv.shutdown_timeout)
+        serve_while_loading(load, srv.host, srv.port, shutdown_timeout=srv.shutdown_timeout, cors=cors_policy(srv))
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 1

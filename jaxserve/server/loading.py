@@ -16,6 +16,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from quart import Quart
 
 from jaxserve.server.app import begin_drain, hypercorn_config, state_of
+from jaxserve.server.cors import CorsPolicy, is_preflight
 from jaxserve.server.errors import BODIES, ApiError, protocol_of
 
 log = logging.getLogger("jaxserve.server")
@@ -24,10 +25,15 @@ Scope = dict[str, Any]
 
 
 class LoadingGate:
-    """An ASGI app that answers 503 until `app` is set, then forwards everything to it."""
+    """An ASGI app that answers 503 until `app` is set, then forwards everything to it.
 
-    def __init__(self) -> None:
+    `cors`: the policy the app will serve with. It is known before the model is, so preflights are
+    answered now and the 503s carry the allow headers: a browser page polling a loading server
+    sees "still loading", not an opaque network error."""
+
+    def __init__(self, cors: CorsPolicy | None = None) -> None:
         self.app: Quart | None = None
+        self.cors = cors
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
         if self.app is not None and scope["type"] != "lifespan":
@@ -42,6 +48,14 @@ class LoadingGate:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         elif scope["type"] == "http":
+            headers = {k.decode("latin-1").title(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            cors = {} if self.cors is None else self.cors.response_headers(headers.get("Origin"))
+            if self.cors is not None and is_preflight(scope["method"], headers):
+                status, cors, text = self.cors.preflight(headers)
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [(b"content-type", b"text/plain")] + _encoded(cors)})
+                await send({"type": "http.response.body", "body": text.encode()})
+                return
             if scope["path"] == "/health":
                 body, content_type = b"", b"text/plain"
             else:
@@ -50,8 +64,12 @@ class LoadingGate:
                 body = json.dumps(BODIES[protocol_of(scope["path"])](err)).encode()
                 content_type = b"application/json"
             await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", content_type), (b"retry-after", b"5")]})
+                        "headers": [(b"content-type", content_type), (b"retry-after", b"5")] + _encoded(cors)})
             await send({"type": "http.response.body", "body": body})
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def check_port(host: str, port: int) -> None:
@@ -70,14 +88,16 @@ def check_port(host: str, port: int) -> None:
             raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-def serve_while_loading(load: Callable[[], Quart], host: str, port: int, shutdown_timeout: float = 30.0) -> None:
+def serve_while_loading(load: Callable[[], Quart], host: str, port: int, shutdown_timeout: float = 30.0,
+                        cors: CorsPolicy | None = CorsPolicy()) -> None:
     """Open the port at once, build the real app with `load()` in a worker thread, swap it in, and
-    serve until SIGTERM/SIGINT (then drain as `app.serve` does). Blocks; re-raises load errors."""
+    serve until SIGTERM/SIGINT (then drain as `app.serve` does). Blocks; re-raises load errors.
+    `cors`: the policy the loaded app serves with (see LoadingGate)."""
 
     check_port(host, port)
 
     async def main() -> None:
-        gate = LoadingGate()
+        gate = LoadingGate(cors)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 

@@ -241,3 +241,48 @@ def test_cors_preflight_skips_auth_and_responses_carry_the_allow_headers():
     assert asyncio.run(refused(app)) == (400, "Disallowed CORS method")
     app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, cors=None)  # type: ignore[arg-type]
     assert "Access-Control-Allow-Origin" not in asyncio.run(go(app))[2].headers
+
+
+def test_the_loading_gate_answers_preflights_and_its_503s_carry_the_cors_headers():
+    """While the model loads, a browser page's preflight gets the policy's answer and the 503 it
+    then gets carries Access-Control-Allow-Origin, so the page can read "still loading" (without
+    it the browser reports a network error)."""
+    from jaxserve.server.cors import CorsPolicy
+    from jaxserve.server.loading import LoadingGate
+
+    origin = "https://app.example"
+
+    def call(gate: LoadingGate, method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path,
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        asyncio.run(gate(scope, receive, send))
+        start, body = sent
+        return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, body["body"]
+
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    gate = LoadingGate(CorsPolicy())
+    status, headers, _ = call(gate, "OPTIONS", "/v1/completions", preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    status, headers, body = call(gate, "POST", "/v1/completions", {"Origin": origin})
+    assert status == 503 and headers["access-control-allow-origin"] == "*" and headers["retry-after"] == "5"
+    assert json.loads(body)["error"]["message"] == "the model is still loading"
+    assert call(gate, "GET", "/health", {"Origin": origin})[1]["access-control-allow-origin"] == "*"
+
+    strict = LoadingGate(CorsPolicy(origins=(origin,), methods=("POST",)))
+    assert call(strict, "OPTIONS", "/v1/completions", preflight)[1]["access-control-allow-origin"] == origin
+    status, _, body = call(strict, "OPTIONS", "/v1/completions", preflight | {"Access-Control-Request-Method": "PUT"})
+    assert (status, body) == (400, b"Disallowed CORS method")
+    assert "access-control-allow-origin" not in call(strict, "POST", "/generate", {"Origin": "https://evil.example"})[1]
+    # No policy (cors=None): no headers and an OPTIONS is just another 503.
+    status, headers, _ = call(LoadingGate(None), "OPTIONS", "/v1/completions", preflight)
+    assert status == 503 and "access-control-allow-origin" not in headers
