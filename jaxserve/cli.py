@@ -32,7 +32,7 @@ from jaxserve.config import (
 )
 from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
-from jaxserve.generation_config import sampling_defaults
+from jaxserve import generation_config
 from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -378,11 +378,12 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]
     return out
 
 
-def _sampling_defaults(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """--generation-config / --override-generation-config, read now: a bad file or key is refused
-    before the model loads."""
+def _sampling_defaults(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
+    """--generation-config / --override-generation-config, read now: a bad file or key the user
+    named is refused before the model loads; a bad file "auto" found is refused when a generation
+    engine starts (generation_config.for_server)."""
     try:
-        return sampling_defaults(model, args.generation_config, args.override_generation_config)
+        return generation_config.for_server(model, args.generation_config, args.override_generation_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -478,6 +479,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    defaults, defaults_error = _sampling_defaults(model, args)
     names = args.served_model_name or [_name_of(model)]
     if isinstance(names, str):  # a config file's single name
         names = [names]
@@ -548,7 +550,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             hf_overrides=args.hf_overrides,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config,
-            sampling_defaults=_sampling_defaults(model, args),
+            sampling_defaults=defaults,
+            generation_config_error=defaults_error,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             enable_prompt_embeds=args.enable_prompt_embeds,

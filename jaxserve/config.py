@@ -43,6 +43,9 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What is wrong with the generation_config.json found beside the model, raised when a generation
+    # engine starts (a classification or embedding model never reads it).
+    generation_config_error: str | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

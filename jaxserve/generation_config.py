@@ -73,6 +73,22 @@ def sampling_defaults(model: str | Path, mode: str = "auto",
     return out
 
 
+def for_server(model: str | Path, mode: str = "auto",
+               overrides: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+    """sampling_defaults for a server whose task is not known yet: (defaults, None), or, when the
+    generation_config.json that "auto" found beside the model is what is wrong, ({}, the error).
+    Only a generation model reads that file (a classifier's or embedder's is left alone, however
+    broken), so the error is raised when a generation engine starts (ModelConfig's
+    generation_config_error). A file or override the user named is refused at once."""
+    try:
+        return sampling_defaults(model, mode, overrides), None
+    except ValueError as e:
+        if mode != "auto":
+            raise
+        sampling_defaults(model, "vllm", overrides)  # the overrides alone: refused now when wrong
+        return {}, f"{e} (--generation-config vllm serves without the file)"
+
+
 def _checked(key: str, value: Any, source: str) -> Any:
     """The value when the key can take it (the engine's own ranges: a default no request could
     send would fail every request), else ValueError naming both."""

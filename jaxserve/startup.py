@@ -174,6 +174,8 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     from jaxserve.models import products
 
     start = time.perf_counter()
+    if config.model.generation_config_error is not None:  # read by generation models only
+        raise ValueError(config.model.generation_config_error)
     check_draft_source(config.model)
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)

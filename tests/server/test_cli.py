@@ -185,8 +185,24 @@ def test_generation_config_flags_are_read_before_the_model_loads(tmp_path):
     args = ["--model", str(model), "--generation-config", "vllm", "--override-generation-config", '{"top_k": 20}']
     assert config_from_args(parse_args(args)).model.sampling_defaults == {"top_k": 20}
     (tmp_path / "generation_config.json").write_text('{"top_p": 2}')
+    # The file "auto" found is refused when a generation engine starts (before any weight loads):
+    # a classification or embedding model beside a broken one still serves.
+    config = config_from_args(parse_args(["--model", str(model)]))
+    assert config.model.sampling_defaults == {}
+    assert "generation_config.json: top_p 2 is not a value it can take" in config.model.generation_config_error
+    from jaxserve.cli import check_pooling_flags
+    from jaxserve.startup import start_engine
+
+    check_pooling_flags(config)  # the pooling server's check: nothing set away from its default
+    with pytest.raises(ValueError, match="top_p 2 is not a value it can take.*--generation-config vllm serves"):
+        start_engine(config)
+    assert config_from_args(parse_args(["--model", str(model), "--generation-config", "vllm"])
+                            ).model.generation_config_error is None
+    # A file or key the user named is refused at once.
     with pytest.raises(ConfigError, match="generation_config.json: top_p 2 is not a value it can take"):
-        config_from_args(parse_args(["--model", str(model)]))
+        config_from_args(parse_args(["--model", str(model), "--generation-config", str(tmp_path)]))
+    with pytest.raises(ConfigError, match="unknown key 'temp'"):
+        config_from_args(parse_args(["--model", str(model), "--override-generation-config", '{"temp": 1}']))
 
 
 def test_a_missing_draft_model_is_refused_before_the_served_model_loads(monkeypatch, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxserve.generation_config import sampling_defaults
+from jaxserve.generation_config import for_server, sampling_defaults
 
 
 def _model(tmp_path, config: dict) -> str:
@@ -51,3 +51,17 @@ def test_bad_values_are_refused_naming_them(tmp_path, mode, config, overrides, m
     model = _model(tmp_path, config)
     with pytest.raises(ValueError, match=message):
         sampling_defaults(model, mode, overrides)
+
+
+def test_a_server_defers_a_broken_file_that_auto_found(tmp_path):
+    """The task is not known when the flags are read; only a generation model reads the file."""
+    model = _model(tmp_path, {})
+    (tmp_path / "generation_config.json").write_text("{not json")
+    defaults, error = for_server(model)
+    assert defaults == {} and "generation_config.json: not valid JSON" in error
+    assert for_server(model, overrides={"top_k": 3})[0] == {}  # the file's error wins: the overrides wait with it
+    with pytest.raises(ValueError, match="unknown key 'temp'"):
+        for_server(model, overrides={"temp": 1})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        for_server(model, str(tmp_path))  # named by the user: refused now
+    assert for_server(_model(tmp_path, {"top_p": 0.5})) == ({"top_p": 0.5}, None)
