@@ -60,16 +60,24 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
 
 def guide_spec(req: SamplingFields) -> GuideSpec | None:
     """The request's structured-output constraint: OpenAI's response_format, vLLM's guided_*
-    extras, or vLLM's structured_outputs object; more than one -> 400."""
+    extras, or vLLM's structured_outputs object; more than one -> 400. The JSON whitespace
+    options (guided_whitespace_pattern, structured_outputs' whitespace_pattern and
+    disable_any_whitespace) apply to whichever JSON constraint the request has, as in vLLM."""
+    so, whitespace = _structured_outputs(req.structured_outputs)
     found = [
         guide.json_schema(req.guided_json, "guided_json") if req.guided_json is not None else None,
         guide.regex(req.guided_regex, "guided_regex") if req.guided_regex is not None else None,
         guide.choice(req.guided_choice, "guided_choice") if req.guided_choice is not None else None,
         guide.grammar(req.guided_grammar, "guided_grammar") if req.guided_grammar is not None else None,
         _response_format(req.response_format),
-        _structured_outputs(req.structured_outputs),
+        so,
     ]
-    return guide.only_one(found)
+    if req.guided_whitespace_pattern is not None:
+        whitespace.append(("guided_whitespace_pattern", req.guided_whitespace_pattern))
+    if len(whitespace) > 1:
+        raise ApiError(400, f"{' and '.join(n for n, _ in whitespace)}: give one whitespace rule", whitespace[1][0])
+    spec = guide.only_one(found)
+    return guide.with_whitespace(spec, *whitespace[0][::-1]) if whitespace else spec
 
 
 def _response_format(fmt: Any) -> GuideSpec | None:
@@ -92,20 +100,42 @@ def _response_format(fmt: Any) -> GuideSpec | None:
                    f"got {kind!r}", "response_format")
 
 
-def _structured_outputs(so: Any) -> GuideSpec | None:
+# vLLM's StructuredOutputsParams options besides the constraint itself.
+_SO_OPTIONS = ("whitespace_pattern", "disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+
+
+def _structured_outputs(so: Any) -> tuple[GuideSpec | None, list[tuple[str, str]]]:
+    """vLLM's structured_outputs: the constraint, and its whitespace rule as [(param, regex)]."""
     if so is None:
-        return None
+        return None, []
     if not isinstance(so, dict):
         raise ApiError(400, "structured_outputs: expected an object", "structured_outputs")
     makers = {"json": guide.json_schema, "regex": guide.regex, "choice": guide.choice, "grammar": guide.grammar,
               "structural_tag": guide.structural_tag}
-    unknown = sorted(set(so) - set(makers) - {"json_object"})
+    unknown = sorted(set(so) - set(makers) - {"json_object", *_SO_OPTIONS})
     if unknown:
         raise ApiError(400, f"structured_outputs: unknown key(s) {unknown}", "structured_outputs")
+    for flag in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if so.get(flag) is not None and not isinstance(so[flag], bool):
+            raise ApiError(400, f"structured_outputs.{flag}: expected true or false", f"structured_outputs.{flag}")
+    if so.get("disable_additional_properties") is False:
+        # vLLM's guidance backend then lets objects take properties their schema does not list.
+        # Here (as in xgrammar's strict mode, vLLM's default backend) an object whose schema does
+        # not say additionalProperties gets only its listed ones: the model invents none.
+        raise ApiError(400, "structured_outputs.disable_additional_properties: false is not supported: objects get "
+                       "only the properties their schema lists unless it says \"additionalProperties\": true; "
+                       "say so in the schema", "structured_outputs.disable_additional_properties")
+    # disable_fallback holds whatever its value: each constraint has one compiler here, and a
+    # constraint it cannot compile is a 400, never handed to another backend.
+    whitespace = []
+    if so.get("whitespace_pattern") is not None:
+        whitespace.append(("structured_outputs.whitespace_pattern", so["whitespace_pattern"]))
+    if so.get("disable_any_whitespace"):
+        whitespace.append(("structured_outputs.disable_any_whitespace", ""))
     found = [makers[k](v, f"structured_outputs.{k}") for k, v in so.items() if k in makers and v is not None]
     if so.get("json_object"):
         found.append(guide.json_object("structured_outputs.json_object"))
-    return guide.only_one(found)
+    return guide.only_one(found), whitespace
 
 
 def _refuse_unsupported(req: SamplingFields) -> None:

@@ -84,6 +84,7 @@ class SamplingFields(_Strict):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None  # a regex for the whitespace JSON output may hold
     structured_outputs: Any = None
     response_format: Any = None
 

@@ -178,9 +178,10 @@ class GrammarCompiler:
         if spec.kind == "json_schema":
             if specs.outlines_honours(json.loads(spec.text)):
                 return self._outlines("json_schema", spec.text, spec)
-            return self._llguidance(self._ll_json(json.dumps(specs.close_objects(json.loads(spec.text)))), spec)
+            schema = json.dumps(specs.close_objects(json.loads(spec.text)))
+            return self._llguidance(self._ll_json(schema, spec.whitespace), spec)
         if spec.kind == "json_object":
-            return self._llguidance(self._ll_json(_JSON_OBJECT_SCHEMA), spec)
+            return self._llguidance(self._ll_json(_JSON_OBJECT_SCHEMA, spec.whitespace), spec)
         if spec.kind == "grammar":
             return self._llguidance(self._ll_lark(spec), spec)
         if spec.kind == "llguidance":
@@ -193,8 +194,12 @@ class GrammarCompiler:
 
     def _outlines(self, job_kind: str, text: str, spec: GuideSpec) -> Grammar:
         worker = self._take_worker()
+        # outlines-core puts the whitespace regex in every gap between JSON's tokens as it is;
+        # llguidance lets each gap be empty or match it. Grouped and optional, both read it alike
+        # (the same for the usual patterns that can match nothing: "[ ]?", "[\\n ]*").
+        whitespace = None if spec.whitespace is None else f"(?:{spec.whitespace})?" if spec.whitespace else ""
         try:
-            reply = worker.run((job_kind, text), self.timeout_s)
+            reply = worker.run((job_kind, text, whitespace), self.timeout_s)
         except TimeoutError:
             self.stats["timeouts"] += 1
             worker = None  # killed; a fresh one starts when next needed
@@ -260,13 +265,10 @@ class GrammarCompiler:
                 self._ll_tokenizer = _llguidance_tokenizer(self.vocabulary, self.hf_tokenizer)
             return self._ll_tokenizer
 
-    def _ll_json(self, schema: str) -> str:
+    def _ll_json(self, schema: str, whitespace: str | None) -> str:
         import llguidance
 
-        # Flexible whitespace would let a sampled model pad forever (and at temperature 1 it
-        # does); fixed separators keep every output finite, as outlines-core's "[ ]?" does.
-        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=layout)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=specs.json_layout(whitespace))
 
     def _ll_lark(self, spec: GuideSpec) -> str:
         import llguidance

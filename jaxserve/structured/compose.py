@@ -30,7 +30,6 @@ THINK_START, THINK_END = "<think>", "</think>"
 _SEPARATOR = "/(\\r?\\n){0,2}/"
 _FREE_TEXT = ("ANSWER_TEXT: ", "TOOL_TEXT: ")  # the free-text terminals an answer may start with
 _NOT_THINKING = " & ~/[ \\t\\r\\n]*<think>(?s:.*)/"
-_JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +54,10 @@ class ToolRules:
     json_calls: tuple[dict[str, Any], ...] = ()
 
 
-def json_rule(schema: dict[str, Any]) -> str:
-    """A `%json` rule for a schema, enforced as the compiler enforces schemas on their own."""
-    return "%json " + json.dumps({**specs.close_objects(schema), "x-guidance": _JSON_LAYOUT})
+def json_rule(schema: dict[str, Any], whitespace: str | None = None) -> str:
+    """A `%json` rule for a schema, enforced as the compiler enforces schemas on their own
+    (`whitespace`: a GuideSpec's)."""
+    return "%json " + json.dumps({**specs.close_objects(schema), "x-guidance": specs.json_layout(whitespace)})
 
 
 def _answer(answer: GuideSpec | ToolRules | None) -> tuple[list[str], list[dict[str, Any]]]:
@@ -70,7 +70,7 @@ def _answer(answer: GuideSpec | ToolRules | None) -> tuple[list[str], list[dict[
         spec = answer.otherwise
         if answer.json_calls and spec.kind in ("json_schema", "json_object"):
             schema = json.loads(spec.text) if spec.kind == "json_schema" else {"type": "object"}
-            return ["answer: " + json_rule({"anyOf": [*answer.json_calls, schema]})], []
+            return ["answer: " + json_rule({"anyOf": [*answer.json_calls, schema]}, spec.whitespace)], []
         rules, side = _rule("formatted", spec)
         return ["answer: tools | formatted", answer.lark, *rules], side
     return _rule("answer", answer)
@@ -79,9 +79,9 @@ def _answer(answer: GuideSpec | ToolRules | None) -> tuple[list[str], list[dict[
 def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
     """Lark lines defining rule `name` as the constraint `spec`, and side grammars it references."""
     if spec.kind == "json_schema":
-        return [f"{name}: " + json_rule(json.loads(spec.text))], []
+        return [f"{name}: " + json_rule(json.loads(spec.text), spec.whitespace)], []
     if spec.kind == "json_object":
-        return [f"{name}: " + json_rule({"type": "object"})], []
+        return [f"{name}: " + json_rule({"type": "object"}, spec.whitespace)], []
     if spec.kind == "choice":
         return [f"{name}: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))], []
     if spec.kind == "structural_tag":

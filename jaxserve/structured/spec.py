@@ -32,13 +32,50 @@ class GuideSpec:
     # TopLevelGrammar JSON built by the server (jaxserve.structured.compose), never by a user
     text: str
     param: str  # the request parameter it came from (named in errors)
+    # JSON kinds only: a regex for the whitespace each gap around JSON's punctuation may hold
+    # (or nothing; "": compact JSON); None: the server's layout (see json_layout). Set by
+    # with_whitespace.
+    whitespace: str | None = None
 
     def cache_key(self, vocabulary_fingerprint: str) -> str:
         h = hashlib.sha256()
-        for part in (self.kind, self.text, vocabulary_fingerprint):
+        parts = (self.kind, self.text, vocabulary_fingerprint) + (() if self.whitespace is None else (self.whitespace,))
+        for part in parts:
             h.update(part.encode())
             h.update(b"\x00")
         return h.hexdigest()
+
+
+# The server's JSON layout: `{"a": 1, "b": [1, 2]}`, one space after each separator and nowhere
+# else. Flexible whitespace would let a sampled model pad forever (and at temperature 1 it does);
+# fixed separators keep every output finite.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_WHITESPACE_CHARS = 256
+
+
+def json_layout(whitespace: str | None) -> dict[str, Any]:
+    """llguidance's JSON options (x-guidance) for a spec's `whitespace`."""
+    return dict(JSON_LAYOUT) if whitespace is None else {"whitespace_pattern": whitespace}
+
+
+def with_whitespace(spec: GuideSpec | None, whitespace: Any, param: str) -> GuideSpec | None:
+    """`spec` with its JSON whitespace set: vLLM's guided_whitespace_pattern and
+    structured_outputs.whitespace_pattern (a regex, "" for none) or disable_any_whitespace ("").
+    400 when the request's constraint is not JSON (nothing to apply it to) or the regex is bad."""
+    if whitespace is None:
+        return spec
+    if spec is None or spec.kind not in ("json_schema", "json_object"):
+        raise GuideError(param, "applies to JSON output only (a JSON schema or json_object); this request has "
+                         + ("no structured output" if spec is None else f"{spec.param}"))
+    if not isinstance(whitespace, str) or len(whitespace) > MAX_WHITESPACE_CHARS:
+        raise GuideError(param, f"expected a regex of at most {MAX_WHITESPACE_CHARS} characters")
+    import re
+
+    try:  # both engines' regex dialects are Rust's; Python's catches what a user gets wrong
+        re.compile(whitespace)
+    except re.error as e:
+        raise GuideError(param, f"invalid regex: {e}") from None
+    return dataclasses.replace(spec, whitespace=whitespace)
 
 
 def regex(value: Any, param: str) -> GuideSpec:

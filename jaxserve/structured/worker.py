@@ -6,7 +6,7 @@ budget by killing the process, and so it never holds the server's GIL. The proto
 stdin/stdout is length-prefixed pickles:
 
     parent -> ("init", {token bytes: [ids]}, eos_id)          once
-    parent -> ("regex", pattern) | ("json_schema", schema)     per job
+    parent -> ("regex", pattern, None) | ("json_schema", schema, whitespace regex or None)  per job
     worker -> ("ok", pickled Index, seconds) | ("error", message)
 
 Run as `python -m jaxserve.structured.worker`; it imports neither jax nor the model.
@@ -45,11 +45,13 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def build(vocabulary: Any, kind: str, text: str) -> bytes:
+def build(vocabulary: Any, kind: str, text: str, whitespace: str | None = None) -> bytes:
+    """A pickled outlines-core Index; `whitespace`: a JSON schema's whitespace regex (None: outlines'
+    own, an optional space)."""
     from outlines_core import Index
     from outlines_core.json_schema import build_regex_from_schema
 
-    pattern = build_regex_from_schema(text) if kind == "json_schema" else text
+    pattern = build_regex_from_schema(text, whitespace_pattern=whitespace) if kind == "json_schema" else text
     return pickle.dumps(Index(pattern, vocabulary), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -69,12 +71,12 @@ def main() -> None:
             vocabulary = Vocabulary(eos_id, tokens)
             write_frame(stdout, ("ok", b"", 0.0))
             continue
-        kind, text = message
+        kind, text, whitespace = message
         start = time.perf_counter()
         try:
             if vocabulary is None:
                 raise RuntimeError("the worker was not initialised")
-            result: tuple = ("ok", build(vocabulary, kind, text), time.perf_counter() - start)
+            result: tuple = ("ok", build(vocabulary, kind, text, whitespace), time.perf_counter() - start)
         except Exception as e:  # the user's regex/schema: reported, never fatal
             result = ("error", " ".join(str(e).split()) or type(e).__name__)
         write_frame(stdout, result)

@@ -211,6 +211,30 @@ def test_length_limit_ends_constrained_output_with_length(client):
     assert r.choices[0].finish_reason == "length" and re.fullmatch("[0-9]+", r.choices[0].text)
 
 
+def test_json_whitespace_rules(client):
+    """vLLM's structured_outputs.disable_any_whitespace (beside OpenAI's response_format, as vLLM
+    takes it) gives compact JSON; guided_whitespace_pattern sets what each gap may hold."""
+    schema = {"type": "object", "properties": {"count": {"type": "integer"}, "ok": {"type": "boolean"},
+                                               "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                        "maxItems": 3}},
+              "required": ["count", "ok", "tags"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=JSON_PROMPT, temperature=1.0, seed=5, n=3, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True, "disable_fallback": True,
+                                           "disable_additional_properties": True}})
+    for c in r.choices:
+        value = json.loads(c.message.content)
+        jsonschema.validate(value, schema)
+        assert c.finish_reason == "stop" and c.message.content == json.dumps(value, separators=(",", ":"))
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", temperature=1.0, seed=6, n=3, max_tokens=80,
+                                  extra_body={"guided_json": schema, "guided_whitespace_pattern": "\n  "})
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.text), schema)
+        # Outside the strings (enum values without spaces), every gap is empty or a newline and two spaces.
+        assert c.finish_reason == "stop" and " " not in c.text.replace("\n  ", ""), c.text
+
+
 # ---- invalid constraints -------------------------------------------------------------------------
 BAD = [
     ("/v1/chat/completions", {"guided_regex": "(abc"}, "guided_regex", "invalid regex"),
@@ -223,6 +247,17 @@ BAD = [
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", "schema"),
     ("/v1/completions", {"guided_regex": "(abc"}, "guided_regex", "invalid regex"),
+    ("/v1/completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "applies to JSON output only"),
+    ("/v1/completions", {"guided_json": {}, "guided_whitespace_pattern": "[ "}, "guided_whitespace_pattern",
+     "invalid regex"),
+    ("/v1/chat/completions", {"structured_outputs": {"json_object": True, "whitespace_pattern": " ",
+                                                     "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace", "give one whitespace rule"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": {}, "disable_additional_properties": False}},
+     "structured_outputs.disable_additional_properties", "additionalProperties"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": {}, "disable_fallback": "yes"}},
+     "structured_outputs.disable_fallback", "true or false"),
 ]
 
 

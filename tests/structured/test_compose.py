@@ -90,6 +90,9 @@ def test_a_trigger_inside_the_think_block_is_only_text(compiler, smollm2_tokeniz
 @pytest.mark.parametrize("answer, good, bad", [
     (S.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "rf"),
      '{"a": 5}', '{"b": 5}'),
+    # The request's whitespace rule holds after the block too.
+    (S.with_whitespace(S.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "rf"), "", "w"),
+     '{"a":5}', '{"a": 5}'),
     (S.regex("[0-9]+/x", "guided_regex"), "12/x", "12x"),
     (S.choice(["yes", "no"], "guided_choice"), "no", "maybe"),
     (S.grammar('start: "A" "B"', "guided_grammar"), "AB", "BA"),

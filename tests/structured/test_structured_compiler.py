@@ -268,3 +268,41 @@ def test_objects_with_listed_properties_get_no_invented_ones():
     assert closed["$defs"]["x"]["additionalProperties"] is True  # what the user said stands
     assert closed["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema["properties"]["a"]  # a copy
+
+
+def test_json_whitespace_rules_bind_both_engines(compiler, smollm2_tokenizer):
+    """vLLM's whitespace_pattern / disable_any_whitespace: "" is compact JSON, a regex is what may
+    stand around JSON's punctuation; on the outlines-core route and the llguidance one alike (the
+    server's own layout, one space after each separator, otherwise)."""
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {
+        "type": "integer"}}}, "required": ["a", "b"]}
+    ranged = {**listed, "properties": {**listed["properties"], "a": {"type": "integer", "minimum": 0}}}
+    texts = ['{"a":1,"b":[1,2]}', '{"a": 1, "b": [1, 2]}', '{\n  "a": 1,\n  "b": []\n}']
+    for schema, engine in ((listed, OutlinesGrammar), (ranged, LLGuidanceGrammar)):
+        spec = S.json_schema(schema, "s")
+        for whitespace, takes in ((None, [engine is OutlinesGrammar, True, False]), ("", [True, False, False]),
+                                  ("[\\n ]*", [True, True, True]), ("\\n  | ", [True, True, False])):
+            grammar = compiler.get(spec if whitespace is None else S.with_whitespace(spec, whitespace, "w"))
+            assert isinstance(grammar, engine)
+            assert [_takes(grammar.matcher(), smollm2_tokenizer, t) for t in texts] == takes, (engine, whitespace)
+    # The alternation stays inside its group: each gap is empty, one space, or a newline and two
+    # spaces (vLLM's outlines backend asks the pattern of every gap; llguidance lets a gap be empty).
+    for schema in (listed, ranged):
+        grammar = compiler.get(S.with_whitespace(S.json_schema(schema, "s"), "\\n  | ", "w"))
+        assert _takes(grammar.matcher(), smollm2_tokenizer, '{ "a" :\n  1 , "b" : [ 1 ] }')
+        assert not _takes(grammar.matcher(), smollm2_tokenizer, '{ "a" :\n   1 , "b" : [ 1 ] }')
+    compact = compiler.get(S.with_whitespace(S.json_object("response_format"), "", "w"))
+    assert _takes(compact.matcher(), smollm2_tokenizer, '{"x":[1,{"y":null}]}')
+    assert not _takes(compact.matcher(), smollm2_tokenizer, '{"x": 1}')
+
+
+@pytest.mark.parametrize("spec, whitespace, message", [
+    (S.regex("a+", "guided_regex"), "", "applies to JSON output only .* guided_regex"),
+    (None, " ", "no structured output"),
+    (S.json_object("j"), "(", "invalid regex"),
+    (S.json_object("j"), 3, "expected a regex"),
+])
+def test_bad_whitespace_rules_name_their_parameter(spec, whitespace, message):
+    with pytest.raises(GuideError, match=message) as e:
+        S.with_whitespace(spec, whitespace, "guided_whitespace_pattern")
+    assert e.value.param == "guided_whitespace_pattern"
