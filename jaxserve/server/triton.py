@@ -20,7 +20,8 @@ from jaxserve.structured.spec import GuideSpec
 
 VERSION = "1"
 
-_GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar"}
+_GUIDES = {"regex", "json_schema", "guided_regex", "guided_json", "guided_choice", "guided_grammar",
+           "guided_whitespace_pattern"}
 _ACCEPTED = {f.name for f in sampling.TRITON} | _GUIDES | set(accepted_fields.TRITON) | {
     "stop", "stop_words", "bad_words", "exclude_input_in_output", "end_id"}
 # Known and not accepted: refused with their reason (sampling.refuse_unhonoured), not as unknown.
@@ -88,7 +89,8 @@ def guide_spec(params: dict[str, Any]) -> GuideSpec | None:
     """SGLang's regex / json_schema and vLLM's guided_* names, as Triton parameters."""
     makers = {"regex": guide.regex, "guided_regex": guide.regex, "json_schema": guide.json_schema,
               "guided_json": guide.json_schema, "guided_choice": guide.choice, "guided_grammar": guide.grammar}
-    return guide.only_one([make(params[k], k) for k, make in makers.items() if params.get(k) is not None])
+    spec = guide.only_one([make(params[k], k) for k, make in makers.items() if params.get(k) is not None])
+    return guide.with_whitespace(spec, params.get("guided_whitespace_pattern"), "guided_whitespace_pattern")
 
 
 async def _parse(state: ServerState, name: str, version: str | None) -> tuple[dict[str, Any], SamplingParams, dict]:

@@ -182,6 +182,12 @@ def test_triton_parameters_take_constraints(server):
         "text_input": "A number:", "parameters": {"max_tokens": 12, "exclude_input_in_output": True,
                                                   "json_schema": {"type": "integer", "minimum": 1, "maximum": 9}}})
     assert r.status_code == 200 and 1 <= int(r.json()["text_output"]) <= 9
+    r = httpx.post(server.url + f"/v2/models/{MODEL}/generate", timeout=120, json={
+        "text_input": "A list:", "parameters": {"max_tokens": 40, "exclude_input_in_output": True, "temperature": 0,
+                                                "json_schema": {"type": "array", "items": {"type": "integer"},
+                                                                "minItems": 2, "maxItems": 3},
+                                                "guided_whitespace_pattern": ""}})
+    assert r.status_code == 200 and " " not in r.json()["text_output"] and len(json.loads(r.json()["text_output"])) >= 2
 
 
 def test_streaming_n2_logprobs_and_stop_with_a_schema(client):
