@@ -78,6 +78,15 @@ class AsyncEngine(EngineThread):
         """The engine's latest snapshot (published by the engine thread after every step)."""
         return self.engine.stats
 
+    def abort_by_rid(self, rid: str) -> None:
+        """SGLang's /abort_request: the request named `rid`, or, where no request is, sample i of
+        the request of n samples whose samples SGLang names `<id>_<i>` (the others run on)."""
+        with self._lock:  # as abort: nothing to do once the thread stopped
+            if self._closed:
+                return
+            self._commands.put(("abort_rid", rid))
+        self._wake.set()
+
     def abort_all(self) -> None:
         """End every request now (they finish with finish_reason "abort")."""
         with self._lock:
@@ -115,6 +124,15 @@ class AsyncEngine(EngineThread):
             out = self.engine.abort(command[1])
             if out is not None:
                 self._post(command[1], out, last=True)
+        elif command[0] == "abort_rid":
+            rid = command[1]
+            out = self.engine.abort(rid)
+            if out is None:
+                base, _, index = rid.rpartition("_")
+                out = self.engine.abort_sample(base, int(index)) if base and index.isdigit() else None
+                rid = base
+            if out is not None:
+                self._post(rid, out, last=out.finished)
         elif command[0] == "abort_all":
             for out in self.engine.abort_all():
                 self._post(out.request_id, out, last=True)

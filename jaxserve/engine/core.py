@@ -275,6 +275,26 @@ class Engine:
                              num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
                              num_accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in req.seqs))
 
+    def abort_sample(self, request_id: str, index: int) -> RequestOutput | None:
+        """Stop sample `index` of a request of n samples (SGLang aborts each by its own rid); the
+        others run on. Its pages are free before the next step; the output carries its last delta
+        (finish_reason "abort") and is the request's last once no sample runs. None when there is
+        no such running sample, or the request is a beam search (whose beams are one search)."""
+        req = self.requests.get(request_id)
+        if req is None or req.params.use_beam_search or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+            return None
+        seq = req.seqs[index]
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        delta = req.texts[index].delta(seq, index, req.params.logprobs is not None)
+        finished = all(s.is_finished for s in req.seqs)
+        if finished:
+            del self.requests[request_id]
+        self._publish()
+        return RequestOutput(request_id, req.prompt_ids, [delta] if delta else [], finished,
+                             req.seqs[0].num_cached_tokens,
+                             num_draft_tokens=sum(s.num_draft_tokens for s in req.seqs),
+                             num_accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in req.seqs))
+
     def abort_all(self) -> list[RequestOutput]:
         return [out for request_id in list(self.requests) if (out := self.abort(request_id)) is not None]
 

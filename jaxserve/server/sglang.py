@@ -349,12 +349,12 @@ async def _stream(state: ServerState, req: GenerateRequest, prompts: list[list[i
 
 
 async def abort_request(state: ServerState) -> Response:
-    """Abort one request by rid, or all of them."""
+    """Abort one request by rid (a sample of n by its own rid, `<rid>_<i>`), or all of them."""
     req = await parse(AbortRequest)
     if req.abort_all:
         state.engine.abort_all()
     elif req.rid:
-        state.engine.abort(req.rid)
+        state.engine.abort_by_rid(req.rid)
     else:
         raise ApiError(400, "give rid or abort_all", "rid")
     return Response("", status=200)

@@ -163,6 +163,49 @@ def test_abort_frees_everything(engine, smollm2_tokenizer):
     engine.check_idle_integrity()
 
 
+def test_aborting_one_sample_leaves_the_others_as_they_were(engine, smollm2_tokenizer):
+    """SGLang aborts a sample of n by its own rid: that one ends with "abort" and frees its
+    pages; the others run to the same tokens as without the abort (each sample's seed is its own)."""
+    prompt = smollm2_tokenizer.encode(LONG)
+    params = SamplingParams(n=3, max_tokens=12, ignore_eos=True, temperature=1.0, seed=7)
+
+    def run(abort_after: int | None) -> tuple[dict[int, list[int]], dict[int, str]]:
+        engine.add_request("n3", prompt, params)
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        reasons: dict[int, str] = {}
+        steps, finished = 0, False
+        while not finished:
+            outs = engine.step()
+            steps += 1
+            if abort_after is not None and steps == abort_after:
+                out = engine.abort_sample("n3", 1)
+                assert out is not None and not out.finished and [o.index for o in out.outputs] in ([1], [])
+                outs = [*outs, out]
+                assert engine.abort_sample("n3", 1) is None  # already ended
+            for out in outs:
+                for o in out.outputs:
+                    tokens[o.index] += o.token_ids
+                    if o.finish_reason is not None:
+                        reasons[o.index] = o.finish_reason
+                finished = finished or out.finished
+        return tokens, reasons
+
+    whole, _ = run(None)
+    cut, reasons = run(3)
+    assert reasons == {0: "length", 1: "abort", 2: "length"}
+    assert cut[0] == whole[0] and cut[2] == whole[2] and len(cut[1]) < 12 and cut[1] == whole[1][:len(cut[1])]
+    assert engine.abort_sample("n3", 0) is None  # the request is gone
+    engine.check_idle_integrity()
+    # Aborting the last running sample ends the request.
+    engine.add_request("n2", prompt, SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.abort_sample("n2", 5) is None
+    assert not engine.abort_sample("n2", 0).finished
+    last = engine.abort_sample("n2", 1)
+    assert last.finished and last.outputs[0].finish_reason == "abort" and not engine.has_unfinished()
+    engine.check_idle_integrity()
+
+
 def test_requests_that_can_never_fit_are_refused(engine, smollm2_tokenizer):
     with pytest.raises(RequestTooLongError, match=r"5 tokens.*300.*240"):
         engine.add_request("too-long", smollm2_tokenizer.encode("The capital of France is"),

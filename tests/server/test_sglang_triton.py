@@ -86,6 +86,25 @@ def test_abort_request(server):
     assert last["meta_info"]["completion_tokens"] < 400
 
 
+def test_abort_request_ends_one_sample_by_its_rid(server):
+    """n samples are each their own request in SGLang, named rid_0, rid_1, ...: aborting rid_1
+    ends that one and the other runs to its limit."""
+    body = {"text": "Once upon a time", "rid": "pair", "stream": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line)[len("data: "):])
+        assert first["meta_info"]["id"] in ("pair_0", "pair_1") and first["meta_info"]["finish_reason"] is None
+        assert _post(server, "/abort_request", {"rid": "pair_1"}).status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in lines if line and line != "data: [DONE]"]
+    last = {e["index"]: e["meta_info"] for e in events}
+    assert last[1]["id"] == "pair_1" and last[1]["finish_reason"]["type"] == "abort"
+    assert last[1]["completion_tokens"] < 300
+    assert last[0]["finish_reason"]["type"] == "length" and last[0]["completion_tokens"] == 300
+    # A rid that names nothing (no such request, no such sample) is a no-op, as in SGLang.
+    assert _post(server, "/abort_request", {"rid": "pair_7"}).status_code == 200
+
+
 def test_generate_refuses_images_and_unknown_params(server):
     r = _post(server, "/generate", {"text": PROMPT, "image_data": "http://x/y.png"})
     assert r.status_code == 400 and "image_data" in r.json()["error"]["message"]
