@@ -136,18 +136,22 @@ class Tokenizer:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as the chat template writes it. continue_final_message: the last
         message left open (no end-of-turn after its text), so the model continues it: a reply
-        "prefilled" by the client, as HF's apply_chat_template and vLLM do it."""
+        "prefilled" by the client, as HF's apply_chat_template and vLLM do it. documents: the
+        template's `documents` (retrieved passages a RAG template such as Command-R's or
+        Granite's lists), as HF passes them; a chat_template_kwargs "documents" wins, as in vLLM."""
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message continues the last message, and add_generation_prompt "
                                     "starts a new one: set add_generation_prompt to false")
-        rendered = self._render(messages, add_generation_prompt, chat_template, chat_template_kwargs, tools)
+        rendered = self._render(messages, add_generation_prompt, chat_template, chat_template_kwargs, tools, documents)
         return _open_final_message(rendered, messages) if continue_final_message else rendered
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, chat_template: str | None,
-                chat_template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> str:
+                chat_template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
+                documents: list[dict[str, Any]] | None = None) -> str:
         template = chat_template or self.chat_template
         if not template:
             raise ChatTemplateError("this model has no chat template; pass chat_template or use completions")
@@ -160,6 +164,7 @@ class Tokenizer:
             if len(self._templates) < 64:
                 self._templates[template] = compiled
         variables = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        variables["documents"] = documents
         variables.update(chat_template_kwargs or {})
         try:
             return compiled.render(
@@ -174,13 +179,18 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:  # kwargs: render_chat's
         """Render and tokenize a conversation. Special tokens come only from the template."""
-        if not any(self._holds_special(m) for m in messages):
+        documents = kwargs.get("documents") or []
+        if not any(self._holds_special(m) for m in messages) and not any(
+                s in v for d in documents for v in d.values() if isinstance(v, str) for s in self._special_strings):
             # The common case: identical to HF's apply_chat_template(tokenize=True).
             return self.hf.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
         # Some user text spells a special token. Render with placeholders in its place, then
         # tokenize template text with special tokens and user text without.
         texts: list[str] = []
         marked = [self._mark(m, texts) for m in messages]
+        if documents:
+            kwargs = {**kwargs, "documents": [{k: self._mark_text(v, texts) if isinstance(v, str) else v
+                                               for k, v in d.items()} for d in documents]}
         rendered = self.render_chat(marked, **kwargs)
         ids: list[int] = []
         pos = 0
@@ -193,10 +203,14 @@ class Tokenizer:
     def _holds_special(self, message: dict[str, Any]) -> bool:
         return any(s in text for text in _texts(message) for s in self._special_strings)
 
+    @staticmethod
+    def _mark_text(text: str, texts: list[str]) -> str:
+        texts.append(text)
+        return f"{_MARK_OPEN}{len(texts) - 1}{_MARK_CLOSE}"
+
     def _mark(self, message: dict[str, Any], texts: list[str]) -> dict[str, Any]:
         def mark(text: str) -> str:
-            texts.append(text)
-            return f"{_MARK_OPEN}{len(texts) - 1}{_MARK_CLOSE}"
+            return self._mark_text(text, texts)
 
         content = message.get("content")
         if isinstance(content, str):

@@ -534,17 +534,20 @@ async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[
 def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
                 chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
                 tools: list[dict[str, Any]] | None = None,
-                images: list[tuple[str, str]] | None = None, continue_final_message: bool = False) -> list[int]:
+                images: list[tuple[str, str]] | None = None, continue_final_message: bool = False,
+                documents: list[dict[str, str]] | None = None) -> list[int]:
     """The rendered conversation's token ids. images: as for `chat_messages` (its image
     placeholders are in the ids, unexpanded). continue_final_message: vLLM's, the last message
-    left open for the model to continue (it needs add_generation_prompt false, as in vLLM)."""
+    left open for the model to continue (it needs add_generation_prompt false, as in vLLM).
+    documents: vLLM's, the template's `documents`."""
     if continue_final_message and add_generation_prompt:
         raise ApiError(400, "continue_final_message: it continues the last message, and add_generation_prompt "
                        "(true by default) starts a new one; set add_generation_prompt to false",
                        "continue_final_message")
     return state.tokenizer.encode_chat(chat_messages(messages, images), add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
-                                       tools=tools, continue_final_message=continue_final_message)
+                                       tools=tools, continue_final_message=continue_final_message,
+                                       documents=documents)
 
 
 # ---- models, tokenize, detokenize -----------------------------------------------------------------
@@ -575,9 +578,11 @@ async def tokenize(state: ServerState) -> Response:
             raise ApiError(400, "messages: must not be empty", "messages")
         urls: list[tuple[str, str]] | None = [] if state.images is not None else None
         ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs,
-                          images=urls, continue_final_message=req.continue_final_message)
+                          images=urls, continue_final_message=req.continue_final_message, documents=req.documents)
         ids, _ = await expand_images(state, ids, urls, "messages")  # the ids a chat request would run
     else:
+        if req.documents is not None:
+            raise ApiError(400, "documents: given to a chat template, so only with messages", "documents")
         ids = state.tokenizer.encode_prompt(req.prompt or "", add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                             "token_strs": None}

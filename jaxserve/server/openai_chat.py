@@ -57,6 +57,8 @@ async def chat_completions(state: ServerState) -> Response:
     if token_messages and req.prompt_token_ids is not None:
         raise ApiError(400, "messages: token ids here are the prompt; do not also send prompt_token_ids",
                        "messages")
+    if req.documents is not None and (req.prompt_token_ids is not None or token_messages or req.disable_chat_template):
+        raise ApiError(400, "documents: given to the chat template, which this request bypasses", "documents")
     urls: list[tuple[str, str]] | None = None  # the images of the messages (a vision-language model)
     if req.prompt_token_ids is not None or token_messages:
         prompt = list(req.prompt_token_ids if req.prompt_token_ids is not None else req.messages)  # type: ignore[arg-type]
@@ -75,7 +77,7 @@ async def chat_completions(state: ServerState) -> Response:
         urls = [] if state.images is not None else None
         prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
                              req.chat_template_kwargs, req.tools if tools_on else None, images=urls,
-                             continue_final_message=req.continue_final_message)
+                             continue_final_message=req.continue_final_message, documents=req.documents)
     prompt, images = await expand_images(state, prompt, urls, "messages")
     prompt, images = truncate_prompt(prompt, images, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -133,6 +133,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: passages for a RAG chat template (Command-R's, Granite's), given to it as `documents`.
+    documents: list[dict[str, str]] | None = None
     modalities: list[Literal["text"]] | None = None  # OpenAI's output kinds: text is the one made here
     # FastDeploy's cap on a reasoning model's think section: `</think>` is forced after this many
     # tokens (jaxserve.structured.reasoning_cap); needs --reasoning-parser.
@@ -156,6 +158,7 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
     return_token_strs: bool = False
 
 

@@ -366,6 +366,30 @@ def test_continue_final_message_prefills_the_reply(client, server, smollm2_token
     assert e.value.body["param"] == "continue_final_message"
 
 
+def test_documents_reach_a_rag_template(client, server, smollm2_tokenizer):
+    """vLLM's `documents` go to the chat template; the prompt is HF's rendering of them (the
+    tokenizer's own test compares it with apply_chat_template); /tokenize renders the same."""
+    from chat_templates import RAG_TEMPLATE
+
+    documents = [{"title": "Tower", "text": "The tower is in Paris."}]
+    body = {"chat_template": RAG_TEMPLATE, "documents": documents}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                       extra_body=body | {"return_token_ids": True})
+    expected = smollm2_tokenizer.encode_chat(CHAT, chat_template=RAG_TEMPLATE, documents=documents)
+    assert r.model_extra["prompt_token_ids"] == expected
+    assert "Tower: The tower is in Paris." in smollm2_tokenizer.decode(expected)
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": CHAT} | body).json()["tokens"]
+    assert tokens == expected
+    for extra, message in [({"documents": [{"title": 3}]}, "documents"),
+                           ({"documents": documents, "prompt_token_ids": [1, 2]}, "bypasses"),
+                           ({"documents": documents, "disable_chat_template": True}, "bypasses")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == "documents" and message in e.value.body["message"], e.value.body
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hi", "documents": documents})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
 def test_return_tokens_as_token_ids(client):
     """vLLM's return_tokens_as_token_ids: logprobs name tokens as "token_id:N", whole and streamed."""
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
