@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest a remote image download may take")
     mm.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
                     help='most images per request, as vLLM spells it: \'{"image": 16}\' (the default)')
+    mm.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
+                    help="the image processor's options, as vLLM's flag: Qwen2.5-VL's '{\"max_pixels\": 1003520}' "
+                         "bounds every image (and sizes the compiled vision encoder), min_pixels the smallest; "
+                         "a request's own mm_processor_kwargs may lower max_pixels. LLaVA takes none")
     mm.add_argument("--enable-prompt-embeds", action="store_true",
                     help="take prompts as embeddings (SGLang's input_embeds, vLLM's prompt_embeds); prefill steps "
                          "then carry a [tokens, hidden] buffer")
@@ -555,6 +559,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             enable_prompt_embeds=args.enable_prompt_embeds,
+            mm_processor_kwargs=args.mm_processor_kwargs,
         ),
         cache=CacheConfig(
             page_size=args.page_size,
@@ -654,6 +659,7 @@ _GENERATION_ONLY = {
     "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
     "--media-fetch-timeout": "media",
+    "--mm-processor-kwargs": "model.mm_processor_kwargs",
 }
 
 

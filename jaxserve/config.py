@@ -46,6 +46,9 @@ class ModelConfig:
     # What is wrong with the generation_config.json found beside the model, raised when a generation
     # engine starts (a classification or embedding model never reads it).
     generation_config_error: str | None = None
+    # vLLM's --mm-processor-kwargs: the image processor's options for every request (Qwen2-VL's
+    # min_pixels / max_pixels; max_pixels also sizes the compiled vision encoder).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -160,6 +160,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -183,7 +184,8 @@ class LLM:
         --decode-buckets / --prefill-buckets. generation_config / override_generation_config: where
         `get_default_sampling_params` (what `generate` and `chat` use without sampling params) comes
         from, as --generation-config ("auto": the model's generation_config.json; "vllm": none; or a
-        folder) and --override-generation-config."""
+        folder) and --override-generation-config. mm_processor_kwargs: a vision-language model's
+        image processor options (Qwen2.5-VL's min_pixels / max_pixels), as --mm-processor-kwargs."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
@@ -203,7 +205,8 @@ class LLM:
                               speculative_model=(speculative_config or {}).get("model"),
                               enable_prompt_embeds=enable_prompt_embeds, generation_config=generation_config,
                               override_generation_config=override_generation_config,
-                              sampling_defaults=defaults, generation_config_error=defaults_error),
+                              sampling_defaults=defaults, generation_config_error=defaults_error,
+                              mm_processor_kwargs=mm_processor_kwargs),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
@@ -218,6 +221,9 @@ class LLM:
             decode_steps=decode_steps,
         )
         self.task = _resolve_task(config)
+        if mm_processor_kwargs and self.task != "generate":
+            raise ValueError("mm_processor_kwargs: for vision-language generation models; a classification or "
+                             "embedding model takes no images")
         self._sampling_defaults = config.model.sampling_defaults
         self.skip_tokenizer_init = skip_tokenizer_init
         self.images = None  # a vision-language model's image input (jaxserve.multimodal.images)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -227,7 +227,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,
                                  enable_prompt_embeds=config.model.enable_prompt_embeds)
-    encoder = vision_encoder(ready.loaded, config.model.load_format)
+    encoder = vision_encoder(ready.loaded, config.model.load_format, config.model.mm_processor_kwargs)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
                           eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft, encoder=encoder)
@@ -239,19 +239,28 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     return engine, {"load": loaded - start, "compile": done - loaded, "total": done - start}
 
 
-def vision_encoder(loaded: LoadedModel, load_format: str = "auto") -> "ImageEncoder | None":
+def vision_encoder(loaded: LoadedModel, load_format: str = "auto",
+                   processor_kwargs: dict[str, Any] | None = None) -> "ImageEncoder | None":
     """A vision-language checkpoint's image encoder (its vision side, in the language model's
-    dtype), None for a text-only model."""
+    dtype), None for a text-only model. processor_kwargs: --mm-processor-kwargs (Qwen2.5-VL's
+    max_pixels sizes the encoder)."""
     from jaxserve.models.config import VISION_LANGUAGE_ARCHITECTURES
 
     config = loaded.source.config
     archs = config.get("architectures") or []
     if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+        if processor_kwargs:
+            raise ValueError("--mm-processor-kwargs: this model takes no images (a vision-language model's image "
+                             "processor reads it)")
         return None
+    if processor_kwargs:  # a key the processor cannot take: refused before anything compiles
+        from jaxserve.multimodal.images import image_processor
+
+        image_processor(loaded.source.path, config, processor_kwargs)
     if jax.process_count() > 1:
         raise ValueError("vision-language models run on one host only (for now)")
     if "Qwen2_5_VLForConditionalGeneration" in archs:
-        return _qwen_vl_encoder(loaded, load_format)
+        return _qwen_vl_encoder(loaded, load_format, processor_kwargs)
     from jaxserve.engine.vision_encoder import LlavaEncoder
     from jaxserve.models.vision import vision_config_from_hf
     from jaxserve.weights.vision_loader import load_vision, random_vision
@@ -264,16 +273,16 @@ def vision_encoder(loaded: LoadedModel, load_format: str = "auto") -> "ImageEnco
     return LlavaEncoder(model)
 
 
-def _qwen_vl_encoder(loaded: LoadedModel, load_format: str) -> "ImageEncoder":
+def _qwen_vl_encoder(loaded: LoadedModel, load_format: str,
+                     processor_kwargs: dict[str, Any] | None = None) -> "ImageEncoder":
     from jaxserve.engine.vision_encoder import QwenVLEncoder
-    from jaxserve.multimodal.qwen2_vl_processing import Qwen2VLImageProcessor
+    from jaxserve.multimodal.images import image_processor
     from jaxserve.weights.qwen2_vl_vision_loader import load_vision_model
 
     if load_format == "dummy":
         raise ValueError("--load-format dummy: random weights for Qwen2.5-VL's vision encoder are not built yet")
     source = loaded.source
-    path = source.path / "preprocessor_config.json"
-    processor = Qwen2VLImageProcessor.from_hf(json.loads(path.read_text()) if path.is_file() else {}, source.config)
+    processor, _ = image_processor(source.path, source.config, processor_kwargs)
     vision = load_vision_model(source, loaded.dtype)
     cfg = vision.config
     max_patches = processor.max_pixels // processor.patch_size**2
@@ -292,7 +301,7 @@ def image_input(config: Config, engine: "Engine") -> "ImageSupport | None":
 
     source = resolve(config.model.model, weights=False, overrides=config.model.hf_overrides)
     hf = engine.tokenizer.hf if engine.tokenizer is not None else None
-    return image_support(source.path, source.config, hf, config.media)
+    return image_support(source.path, source.config, hf, config.media, config.model.mm_processor_kwargs)
 
 
 def start_classify_engine(config: Config, task: str = "classify", default_max_model_len: int | None = None,

@@ -134,12 +134,14 @@ def make_tiny_qwen_vl(directory: Path, seed: int = 0):
     return model
 
 
-def qwen_hf_inputs(images: list) -> dict:
-    """HF's Qwen2-VL image processor output (PIL backend) for `images`."""
+def qwen_hf_inputs(images: list, **bounds: int) -> dict:
+    """HF's Qwen2-VL image processor output (PIL backend) for `images`; bounds: min_pixels /
+    max_pixels other than the tiny model's."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN_PREPROCESSOR["min_pixels"],
-                                               "longest_edge": QWEN_PREPROCESSOR["max_pixels"]})
+    limits = {**QWEN_PREPROCESSOR, **bounds}
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": limits["min_pixels"],
+                                               "longest_edge": limits["max_pixels"]})
     return processor(images=images, return_tensors="pt")
 
 
@@ -160,12 +162,13 @@ def expand_prompt(support, prompt: list[int], images: list[Image.Image]):
     return asyncio.run(support.load_into(prompt, [(data_url(im), "image") for im in images], "image"))
 
 
-def hf_image_kwargs(family: str, ids: list[int], images: list[Image.Image]) -> dict:
-    """The image arguments HF's model takes for `ids` with `images` (none for text alone)."""
+def hf_image_kwargs(family: str, ids: list[int], images: list[Image.Image], **bounds: int) -> dict:
+    """The image arguments HF's model takes for `ids` with `images` (none for text alone);
+    bounds: as qwen_hf_inputs'."""
     if not images:
         return {}
     if family == "qwen":
-        inputs = qwen_hf_inputs(images)
+        inputs = qwen_hf_inputs(images, **bounds)
         # HF 5.17 computes M-RoPE positions only when given the processor's mm_token_type_ids (1: image).
         return {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"],
                 "mm_token_type_ids": torch.tensor([[int(t == QWEN_IMAGE_TOKEN) for t in ids]])}
@@ -177,11 +180,11 @@ def hf_image_kwargs(family: str, ids: list[int], images: list[Image.Image]) -> d
             "batch_num_images": torch.tensor([len(images)])}
 
 
-def hf_greedy(hf, family: str, ids: list[int], images: list[Image.Image], n: int) -> list[int]:
-    """HF's greedy continuation of exactly n tokens."""
+def hf_greedy(hf, family: str, ids: list[int], images: list[Image.Image], n: int, **bounds: int) -> list[int]:
+    """HF's greedy continuation of exactly n tokens (bounds: as qwen_hf_inputs')."""
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          **hf_image_kwargs(family, ids, images))
+                          **hf_image_kwargs(family, ids, images, **bounds))
     return out[0, len(ids):].tolist()
 
 

@@ -27,6 +27,8 @@ class ImageProcessor(Protocol):
 
     def preprocess(self, image: Any, multi_image: bool = False) -> Any: ...
 
+    def with_kwargs(self, kwargs: dict[str, Any], param: str, capped: bool = True) -> Any: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedImage:
@@ -44,6 +46,24 @@ class ImageSupport:
     image_token_id: int
     image_token: str  # the placeholder's text, for messages
     policy: MediaPolicy
+    # Keys the prepared images apart when a request's mm_processor_kwargs change the processing
+    # (the same pixels then give other embeddings): "" for the server's own processor.
+    variant: str = ""
+
+    def with_kwargs(self, kwargs: dict[str, Any] | None, param: str = "mm_processor_kwargs") -> ImageSupport:
+        """This support with a request's mm_processor_kwargs (vLLM's) applied to its processor;
+        InvalidRequestError naming the key when the processor cannot take one."""
+        if not kwargs:
+            return self
+        if not isinstance(kwargs, dict):
+            raise InvalidRequestError(param, "expected an object")
+        try:
+            processor = self.processor.with_kwargs(kwargs, param)
+        except ValueError as e:
+            raise InvalidRequestError(param, str(e).removeprefix(f"{param}: ")) from None
+        if processor == self.processor:
+            return self
+        return dataclasses.replace(self, processor=processor, variant="/" + json.dumps(kwargs, sort_keys=True))
 
     def prepare(self, spec: str, param: str, multi_image: bool = False) -> PreparedImage:
         """Load and preprocess one image (blocking: Pillow work)."""
@@ -54,7 +74,7 @@ class ImageSupport:
         read differently (LLaVA-OneVision: one tile), so it is keyed apart."""
         image = image.convert("RGB") if image.mode != "RGB" else image
         multi_image = multi_image and getattr(self.processor, "reads_multi_image", False)
-        key = image_hash(image) + ("/multi" if multi_image else "")
+        key = image_hash(image) + ("/multi" if multi_image else "") + self.variant
         return PreparedImage(key, self.processor.preprocess(image, multi_image=multi_image))
 
     async def prepare_all(self, specs: list[tuple[str, str]]) -> list[PreparedImage]:
@@ -100,16 +120,14 @@ class ImageSupport:
         return ids, items
 
 
-def image_support(model_dir: Path, config: dict[str, Any], tokenizer: Any, policy: MediaPolicy) -> ImageSupport | None:
-    """The image input of the vision-language checkpoint at `model_dir` (config: its config.json),
-    or None for a text-only model. tokenizer: the HF tokenizer (names the placeholder)."""
-    archs = config.get("architectures") or []
-    if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
-        return None
+def image_processor(model_dir: Path, config: dict[str, Any],
+                    overrides: dict[str, Any] | None = None) -> tuple[ImageProcessor, int]:
+    """The vision-language checkpoint's image processor and its placeholder token id. overrides:
+    the server's --mm-processor-kwargs (ValueError naming the flag when one is wrong)."""
     path = model_dir / "preprocessor_config.json"
     preprocessor = json.loads(path.read_text()) if path.is_file() else {}
     processor: ImageProcessor
-    if "Qwen2_5_VLForConditionalGeneration" in archs:
+    if "Qwen2_5_VLForConditionalGeneration" in (config.get("architectures") or []):
         from jaxserve.multimodal.qwen2_vl_processing import Qwen2VLImageProcessor
 
         processor, token_id = Qwen2VLImageProcessor.from_hf(preprocessor, config), int(config.get("image_token_id",
@@ -118,5 +136,17 @@ def image_support(model_dir: Path, config: dict[str, Any], tokenizer: Any, polic
         from jaxserve.multimodal.llava_processing import LlavaImageProcessor
 
         processor, token_id = LlavaImageProcessor.from_hf(preprocessor, config), int(config["image_token_index"])
+    return processor.with_kwargs(overrides or {}, "--mm-processor-kwargs", capped=False), token_id
+
+
+def image_support(model_dir: Path, config: dict[str, Any], tokenizer: Any, policy: MediaPolicy,
+                  overrides: dict[str, Any] | None = None) -> ImageSupport | None:
+    """The image input of the vision-language checkpoint at `model_dir` (config: its config.json),
+    or None for a text-only model. tokenizer: the HF tokenizer (names the placeholder). overrides:
+    as image_processor's."""
+    archs = config.get("architectures") or []
+    if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+        return None
+    processor, token_id = image_processor(model_dir, config, overrides)
     token = tokenizer.convert_ids_to_tokens(token_id) if tokenizer is not None else "<image>"
     return ImageSupport(processor, token_id, token, policy)

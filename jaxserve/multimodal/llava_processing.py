@@ -95,6 +95,14 @@ class LlavaImageProcessor:
     num_additional_image_tokens: int  # NeXT: features per tile beyond the grid (CLIP's CLS)
     max_num_patches: int | None  # OneVision's anyres_max_N; None for NeXT
 
+    def with_kwargs(self, kwargs: dict[str, Any], param: str, capped: bool = True) -> LlavaImageProcessor:
+        """vLLM's mm_processor_kwargs: LLaVA's tiling is the checkpoint's own, so none is taken
+        (ValueError naming `param` for any key)."""
+        if kwargs:
+            raise ValueError(f"{param}: LLaVA's image processor takes no options (its tiling is the checkpoint's); "
+                             f"got {sorted(kwargs)}")
+        return self
+
     @classmethod
     def from_hf(cls, preprocessor_config: dict[str, Any], model_config: dict[str, Any]) -> LlavaImageProcessor:
         """From a checkpoint's preprocessor_config.json and config.json; a missing key takes the HF

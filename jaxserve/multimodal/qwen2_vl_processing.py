@@ -126,6 +126,27 @@ class Qwen2VLImageProcessor:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    def with_kwargs(self, kwargs: dict[str, Any], param: str, capped: bool = True) -> Qwen2VLImageProcessor:
+        """This processor with vLLM's mm_processor_kwargs for Qwen2-VL applied: min_pixels and
+        max_pixels (what an image is resized into). `capped`: a request's max_pixels may not exceed
+        the server's (its vision encoder is compiled for that many patches); the server's own
+        --mm-processor-kwargs sets it. ValueError naming `param` and the key when one is wrong."""
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise ValueError(f"{param}: unknown key(s) {unknown}; Qwen2-VL's image processor takes min_pixels and "
+                             "max_pixels")
+        for key, value in kwargs.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < self.factor**2:
+                raise ValueError(f"{param}.{key}: expected an integer of at least {self.factor**2} (one "
+                                 f"{self.factor}x{self.factor} merged patch), got {value!r}")
+        out = dataclasses.replace(self, **kwargs)
+        if capped and out.max_pixels > self.max_pixels:
+            raise ValueError(f"{param}.max_pixels: at most {self.max_pixels}, the server's (its vision encoder is "
+                             f"compiled for images that size; --mm-processor-kwargs raises it), got {out.max_pixels}")
+        if out.min_pixels > out.max_pixels:
+            raise ValueError(f"{param}: min_pixels {out.min_pixels} exceeds max_pixels {out.max_pixels}")
+        return out
+
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image of this size is resized to."""
         if not self.do_resize:

@@ -522,13 +522,18 @@ def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
 
 
 async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[str, str]] | None,
-                        param: str) -> tuple[list[int], list[ImageItem]]:
+                        param: str, processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[ImageItem]]:
     """On a vision-language server: the images `urls` names ((url, parameter name) each) loaded and
     preprocessed, and the prompt's placeholders expanded for them (a prompt without images must
-    hold no placeholder). Elsewhere the prompt as it is."""
+    hold no placeholder). Elsewhere the prompt as it is. processor_kwargs: vLLM's
+    mm_processor_kwargs, the image processor's options for this request (400 on a text-only model)."""
     if state.images is None:
+        if processor_kwargs:
+            raise ApiError(400, "mm_processor_kwargs: this model takes no images (a text-only model)",
+                           "mm_processor_kwargs")
         return prompt, []
-    return await state.images.load_into(prompt, urls or [], urls[0][1] if urls else param)
+    images = state.images.with_kwargs(processor_kwargs)
+    return await images.load_into(prompt, urls or [], urls[0][1] if urls else param)
 
 
 def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -579,7 +584,8 @@ async def tokenize(state: ServerState) -> Response:
         urls: list[tuple[str, str]] | None = [] if state.images is not None else None
         ids = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template, req.chat_template_kwargs,
                           images=urls, continue_final_message=req.continue_final_message, documents=req.documents)
-        ids, _ = await expand_images(state, ids, urls, "messages")  # the ids a chat request would run
+        ids, _ = await expand_images(state, ids, urls, "messages",  # the ids a chat request would run
+                                     req.mm_processor_kwargs)
     else:
         if req.documents is not None:
             raise ApiError(400, "documents: given to a chat template, so only with messages", "documents")

@@ -78,7 +78,7 @@ async def chat_completions(state: ServerState) -> Response:
         prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template,
                              req.chat_template_kwargs, req.tools if tools_on else None, images=urls,
                              continue_final_message=req.continue_final_message, documents=req.documents)
-    prompt, images = await expand_images(state, prompt, urls, "messages")
+    prompt, images = await expand_images(state, prompt, urls, "messages", req.mm_processor_kwargs)
     prompt, images = truncate_prompt(prompt, images, req.truncate_prompt_tokens, state.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

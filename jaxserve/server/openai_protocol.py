@@ -135,6 +135,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     # vLLM's: passages for a RAG chat template (Command-R's, Granite's), given to it as `documents`.
     documents: list[dict[str, str]] | None = None
+    # vLLM's: this request's image processor options (Qwen2-VL's min_pixels / max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = None  # OpenAI's output kinds: text is the one made here
     # FastDeploy's cap on a reasoning model's think section: `</think>` is forced after this many
     # tokens (jaxserve.structured.reasoning_cap); needs --reasoning-parser.
@@ -159,6 +161,7 @@ class TokenizeRequest(_Strict):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -367,3 +367,25 @@ def test_gpu_memory_utilization_sets_xla_fraction_before_start():
         with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
             apply_gpu_memory_utilization(bad, {})
     assert parse_args(["--model", "/m", "--gpu-memory-utilization", "0.7"]).gpu_memory_utilization == 0.7
+
+
+def test_mm_processor_kwargs_flag_is_read_and_checked_against_the_model(tmp_path):
+    """--mm-processor-kwargs reaches the model config; a text-only model, or a key the model's
+    image processor does not take, is refused before anything compiles."""
+    import types
+
+    from jaxserve.startup import vision_encoder
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    config = config_from_args(parse_args(["--model", str(model), "--mm-processor-kwargs", '{"max_pixels": 3136}']))
+    assert config.model.mm_processor_kwargs == {"max_pixels": 3136}
+    text_only = types.SimpleNamespace(source=types.SimpleNamespace(config={"architectures": ["LlamaForCausalLM"]},
+                                                                   path=tmp_path))
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: this model takes no images"):
+        vision_encoder(text_only, "auto", {"max_pixels": 3136})
+    assert vision_encoder(text_only, "auto", None) is None
+    qwen = types.SimpleNamespace(source=types.SimpleNamespace(
+        config={"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": {}}, path=tmp_path))
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: unknown key.*'num_crops'"):
+        vision_encoder(qwen, "auto", {"num_crops": 4})

@@ -49,3 +49,35 @@ def test_chat_with_images_equals_hf(served):
     assert out.usage.prompt_tokens_details.image_tokens == ids.count(QWEN_IMAGE_TOKEN) >= 8
     again = chat()
     assert again.choices[0].token_ids == want and again.usage.prompt_tokens_details.cached_tokens > 8
+
+
+def test_mm_processor_kwargs_bound_a_requests_images(served):
+    """vLLM's mm_processor_kwargs: a request's max_pixels shrinks its images (fewer image tokens),
+    the answer still HF's with the same bounds; /tokenize counts the same; over the server's
+    max_pixels is a 400 naming it."""
+    import httpx
+
+    hf, client = served
+    image = random_image(100, 100, seed=3)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "w5"}]}]
+
+    def chat(kwargs):
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                          "mm_processor_kwargs": kwargs})
+
+    small = chat({"max_pixels": 56 * 56})
+    assert small.prompt_token_ids.count(QWEN_IMAGE_TOKEN) == 4  # 56x56: 2x2 merged patches
+    assert small.choices[0].token_ids == hf_greedy(hf, "qwen", small.prompt_token_ids, [image], 6,
+                                                   max_pixels=56 * 56)
+    full = chat(None)
+    assert full.prompt_token_ids.count(QWEN_IMAGE_TOKEN) > 4
+    assert full.choices[0].token_ids == hf_greedy(hf, "qwen", full.prompt_token_ids, [image], 6)
+    base = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(base + "/tokenize", json={"messages": messages, "mm_processor_kwargs": {
+        "max_pixels": 56 * 56}}).json()["tokens"]
+    assert tokens == small.prompt_token_ids
+    with pytest.raises(openai.BadRequestError) as e:
+        chat({"max_pixels": 10**6})
+    assert e.value.body["param"] == "mm_processor_kwargs" and "max_pixels: at most 12544" in e.value.body["message"]

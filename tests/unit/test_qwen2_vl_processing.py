@@ -76,6 +76,27 @@ def test_from_hf_reads_size_and_refuses_a_geometry_the_model_does_not_have():
         Qwen2VLImageProcessor.from_hf({"patch_size": 16}, MODEL_CONFIG)
 
 
+def test_mm_processor_kwargs_resize_as_hf_given_the_same_bounds():
+    """vLLM's mm_processor_kwargs {min_pixels, max_pixels} on a processor: the pixels HF's
+    processor makes with those bounds; a request may not raise max_pixels over the server's."""
+    server, _ = _pair(HUB_MIN, 28 * 28 * 64)
+    image = _image(900, 600)
+    ours = server.with_kwargs({"max_pixels": 28 * 28 * 16, "min_pixels": 56 * 56}, "mm_processor_kwargs")
+    _, hf = _pair(56 * 56, 28 * 28 * 16)
+    got, want = ours.preprocess(image), hf(images=[image], return_tensors="np")
+    assert got.grid_thw == tuple(want["image_grid_thw"][0].tolist())
+    np.testing.assert_allclose(got.pixel_values, want["pixel_values"], atol=1e-6, rtol=0)
+    assert got.num_tokens < server.preprocess(image).num_tokens
+    for kwargs, message in [({"max_pixels": 28 * 28 * 65}, "at most 50176, the server's"),
+                            ({"num_crops": 4}, "unknown key"), ({"min_pixels": 10}, "at least 784"),
+                            ({"max_pixels": True}, "an integer"),
+                            ({"min_pixels": 28 * 28 * 20, "max_pixels": 28 * 28 * 10}, "exceeds max_pixels")]:
+        with pytest.raises(ValueError, match=message):
+            server.with_kwargs(kwargs, "mm_processor_kwargs")
+    # The server's own flag may raise it (it sizes the encoder).
+    assert server.with_kwargs({"max_pixels": HUB_MAX}, "--mm-processor-kwargs", capped=False).max_pixels == HUB_MAX
+
+
 # ---- M-RoPE positions -----------------------------------------------------------------------------
 
 IMAGE, VIDEO, START, END = 251, 252, 253, 254
