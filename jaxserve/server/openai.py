@@ -522,7 +522,8 @@ def _template_call(i: int, k: int, call: dict[str, Any]) -> dict[str, Any]:
 
 
 async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[str, str]] | None,
-                        param: str, processor_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[ImageItem]]:
+                        param: str, processor_kwargs: dict[str, Any] | None = None,
+                        ) -> tuple[list[int], list[ImageItem]]:
     """On a vision-language server: the images `urls` names ((url, parameter name) each) loaded and
     preprocessed, and the prompt's placeholders expanded for them (a prompt without images must
     hold no placeholder). Elsewhere the prompt as it is. processor_kwargs: vLLM's

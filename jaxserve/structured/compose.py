@@ -23,12 +23,14 @@ import json
 from typing import Any
 
 from jaxserve.structured import spec as specs
+from jaxserve.structured import structural_tags
 from jaxserve.structured.spec import GuideError, GuideSpec
 
 THINK_START, THINK_END = "<think>", "</think>"
 # After </think>, Qwen3 writes a blank line; a bound keeps a sampled model from padding forever.
 _SEPARATOR = "/(\\r?\\n){0,2}/"
-_FREE_TEXT = ("ANSWER_TEXT: ", "TOOL_TEXT: ")  # the free-text terminals an answer may start with
+# The free-text terminals an answer may start with (a structural tag's are ANSWER_TEXT_<n>).
+_FREE_TEXT = ("ANSWER_TEXT: ", "TOOL_TEXT: ", "ANSWER_TEXT_")
 _NOT_THINKING = " & ~/[ \\t\\r\\n]*<think>(?s:.*)/"
 
 
@@ -85,10 +87,10 @@ def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
     if spec.kind == "choice":
         return [f"{name}: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))], []
     if spec.kind == "structural_tag":
-        return _structural_tag(name, json.loads(spec.text)), []
+        return structural_tags.lark(json.loads(spec.text), name)
     terminal = name.upper() + "_RE"
     if spec.kind == "regex":
-        return [f"{name}: {terminal}", f"{terminal}: /" + _slashes_escaped(spec.text) + "/"], []
+        return [f"{name}: {terminal}", f"{terminal}: /" + structural_tags.slashes_escaped(spec.text) + "/"], []
     if spec.kind == "grammar":
         from llguidance.gbnf_to_lark import any_to_lark
 
@@ -98,44 +100,6 @@ def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
             raise GuideError(spec.param, f"invalid grammar: {' '.join(str(e).split())}") from None
         return [f"{name}: @user_grammar"], [{"name": "user_grammar", "lark_grammar": user}]
     raise GuideError(spec.param, f"{spec.kind} cannot be composed with a think block or tool calls")
-
-
-def _structural_tag(name: str, tag: dict[str, Any]) -> list[str]:
-    """Lark lines defining rule `name` as a structural tag: text free of triggers, and where a
-    trigger is written (a lazy lexeme ending at it), one of the structures its begin starts with:
-    the begin's rest, the schema's JSON, the end. Text never holds a trigger that no structure
-    follows, so every trigger written is a structure's start."""
-    triggers, structures = tag["triggers"], tag["structures"]
-    text = f"{name.upper()}_TEXT"
-    any_trigger = "|".join(_regex_literal(t) for t in triggers)
-    lines = [f"{name}: {name}_part* {text}", f"{text}: /(?s:.*)/ & ~/(?s:.*)(?:{any_trigger})(?s:.*)/"]
-    parts = []
-    for i, trigger in enumerate(triggers):
-        bodies = []
-        for k, s in enumerate(structures):
-            if s["begin"].startswith(trigger):
-                rest = s["begin"][len(trigger):]
-                lines.append(f"{name}_json_{i}_{k}: " + json_rule(s["schema"]))
-                bodies.append(" ".join(p for p in (json.dumps(rest) if rest else "", f"{name}_json_{i}_{k}",
-                                                   json.dumps(s["end"]) if s["end"] else "") if p))
-        if bodies:  # (a trigger that begins no structure can only be refused text)
-            lines += [f"{name}_head_{i}[lazy]: {text} {json.dumps(trigger)}", f"{name}_body_{i}: " + " | ".join(bodies)]
-            parts.append(f"{name}_head_{i} {name}_body_{i}")
-    return lines + [f"{name}_part: " + " | ".join(parts)]
-
-
-def _regex_literal(text: str) -> str:
-    """`text` matched literally inside Lark's /.../ (Rust regex syntax: punctuation escaped)."""
-    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
-
-
-def _slashes_escaped(regex: str) -> str:
-    """The regex inside Lark's /.../: a bare slash would end it (an escaped one stays as it is)."""
-    out, escaped = [], False
-    for c in regex:
-        out.append("\\/" if c == "/" and not escaped else c)
-        escaped = c == "\\" and not escaped
-    return "".join(out)
 
 
 def compose(answer: GuideSpec | ToolRules | None, reasoning: Reasoning | None, param: str) -> GuideSpec:

@@ -16,7 +16,6 @@ from typing import Any
 from jaxserve.errors import InvalidRequestError
 
 KINDS = ("regex", "choice", "json_schema", "json_object", "grammar", "structural_tag", "llguidance")
-MAX_STRUCTURES = 256
 MAX_CHOICES = 1024
 MAX_SPEC_CHARS = 1 << 20  # 1 MiB of regex / schema / grammar text
 
@@ -114,37 +113,16 @@ def grammar(value: Any, param: str) -> GuideSpec:
 
 
 def structural_tag(value: Any, param: str) -> GuideSpec:
-    """vLLM's and SGLang's structural tag (xgrammar's form): free text, except that where the output
-    writes one of `triggers`, one of `structures` whose `begin` starts with it follows: the rest of
-    its begin, JSON matching its `schema`, then its `end`. Given as an object or as JSON text
-    (SGLang's sampling_params.structural_tag); canonical text {"structures", "triggers"}."""
+    """vLLM's and SGLang's structural tag (xgrammar's): free text with structures after triggers,
+    `{"structures": [{begin, schema, end}], "triggers"}`, or a format tree, `{"format": {...}}`
+    (jaxserve.structured.structural_tags). Given as an object or as JSON text (SGLang's
+    sampling_params.structural_tag); canonical text {"format": ...}."""
+    from jaxserve.structured import structural_tags
+
     value = _loaded(value, param, "the structural tag")
     if not isinstance(value, dict):
-        raise GuideError(param, "expected an object with structures and triggers")
-    if "format" in value:  # xgrammar's newer tag language
-        raise GuideError(param, "the 'format' form of structural tags is not supported yet; give structures and "
-                         "triggers")
-    unknown = sorted(set(value) - {"type", "structures", "triggers"})
-    if unknown:
-        raise GuideError(param, f"unknown key(s) {unknown}; a structural tag has structures and triggers")
-    structures, triggers = value.get("structures"), value.get("triggers")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise GuideError(param, "triggers: expected a non-empty list of non-empty strings")
-    if not isinstance(structures, list) or not structures or len(structures) > MAX_STRUCTURES:
-        raise GuideError(param, f"structures: expected a list of 1 to {MAX_STRUCTURES} "
-                         "{begin, schema, end} objects")
-    out = []
-    for i, s in enumerate(structures):
-        where = f"{param}.structures[{i}]"
-        if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"} or not isinstance(s.get("begin"), str) \
-                or not isinstance(s.get("end"), str) or not s["begin"]:
-            raise GuideError(where, "expected {\"begin\": non-empty string, \"schema\": JSON schema, "
-                             "\"end\": string}")
-        if not any(s["begin"].startswith(t) for t in triggers):
-            raise GuideError(where, f"begin {s['begin']!r} starts with none of the triggers {triggers}")
-        schema = json.loads(json_schema(s.get("schema", {}), f"{where}.schema").text)
-        out.append({"begin": s["begin"], "schema": schema, "end": s["end"]})
-    return GuideSpec("structural_tag", json.dumps({"structures": out, "triggers": triggers}), param)
+        raise GuideError(param, "expected an object with a format, or with structures and triggers")
+    return GuideSpec("structural_tag", json.dumps(structural_tags.check(value, param)), param)
 
 
 def _loaded(value: Any, param: str, what: str) -> Any:

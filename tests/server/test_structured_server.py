@@ -369,3 +369,19 @@ def test_structural_tag_binds_what_follows_a_trigger(client, server):
     sglang = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
         "max_new_tokens": 24, "temperature": 0, "stop": ["\nQ:"], "structural_tag": tag}}, timeout=120).json()
     assert sglang["text"] == text
+    # The same call as xgrammar's format tree, "force exactly one tool call", sampled: each output
+    # is one whole call and nothing else.
+    one_call = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<function=get_weather>",
+                  "content": {"type": "json_schema", "json_schema": CITY_ARGS}, "end": "</function>"}]}}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=1.0, seed=4, n=3,
+                                  extra_body={"response_format": one_call})
+    for c in r.choices:
+        call = re.fullmatch(r"<function=get_weather>(.*)</function>", c.text)
+        assert c.finish_reason == "stop" and call, c.text
+        jsonschema.validate(json.loads(call.group(1)), CITY_ARGS)
+    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                           "response_format": {"type": "structural_tag", "format": {
+                                                               "type": "token", "token": 5}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.format"

@@ -5,6 +5,8 @@ reasoning_max_tokens matcher forces </think> at its cap."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -239,9 +241,102 @@ def test_structural_tags_bind_only_after_a_trigger(compiler, smollm2_tokenizer, 
     ({"triggers": ["<tool>"], "structures": TAG["structures"]}, "starts with none of the triggers"),
     ({"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "nope"}, "end": ""}]},
      "invalid JSON schema"),
-    ({"format": {"type": "tags"}}, "'format' form"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_structural_tags_are_refused_naming_why(bad, message):
     with pytest.raises(S.GuideError, match=message):
         S.structural_tag(bad, "response_format")
+
+
+# xgrammar's format tree (vLLM's response_format {"type": "structural_tag", "format": ...}).
+def _tag(begin, content, end):
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _const(value):
+    return {"type": "const_string", "value": value}
+
+
+WEATHER_CALL = _tag("<function=get_weather>", {"type": "json_schema", "json_schema": FUNCTIONS["get_weather"]},
+                    "</function>")
+NOARGS_CALL = _tag("<function=noargs>", {"type": "json_schema", "json_schema": FUNCTIONS["noargs"]}, "</function>")
+CALLS = {"type": "triggered_tags", "triggers": ["<function="], "tags": [WEATHER_CALL, NOARGS_CALL]}
+FORMATS = {
+    # xgrammar's recipe "mix reasoning, free text and tool calls"
+    "think_then_calls": {"type": "sequence", "elements": [_tag("<think>", {"type": "any_text"}, "</think>"), CALLS]},
+    # "force exactly one tool call"
+    "one_call": {**CALLS, "at_least_one": True, "stop_after_first": True},
+    "at_least_one": {**CALLS, "at_least_one": True},
+    "items": {"type": "tags_with_separator", "separator": ",",
+              "tags": [_tag("<item>", {"type": "json_schema", "json_schema": {"type": "object"}}, "</item>")]},
+    "pieces": {"type": "sequence", "elements": [
+        _const("Code: "), {"type": "regex", "pattern": "[A-Z]{3}"}, {"type": "optional", "content": _const("!")},
+        {"type": "repeat", "min": 1, "max": 2, "content": {"type": "or", "elements": [_const("a"), _const("b")]}}]},
+    "sql": _tag("<sql>", {"type": "grammar", "grammar": 'root ::= "SELECT " [a-z]+'}, ["</sql>", "</q>"]),
+    "excludes": {"type": "any_text", "excludes": ["BAD"]},
+    "one_in_tag": _tag("<r>", {**CALLS, "stop_after_first": True}, "</r>"),
+}
+
+
+@pytest.mark.parametrize("fmt, text, allowed, accepting", [
+    ("think_then_calls", '<think>hmm, weather</think>Sure. <function=get_weather>{"city": "Paris"}</function> ok',
+     True, True),
+    ("think_then_calls", "<think>hmm</think>No calls needed.", True, True),
+    ("think_then_calls", "<think>a <function=x> inside thinking is text</think>", True, True),
+    ("think_then_calls", "No thinking first", False, False),
+    ("think_then_calls", "<think>a</think>x <function=get_time>{}</function>", False, False),
+    ("one_call", '<function=get_weather>{"city": "Paris"}</function>', True, True),
+    ("one_call", '<function=noargs>{}</function> and more', False, False),
+    ("one_call", 'Sure <function=noargs>{}</function>', False, False),
+    ("at_least_one", '<function=noargs>{}</function> then text <function=noargs>{}</function>', True, True),
+    ("at_least_one", "text first", False, False),
+    ("items", '<item>{"a": 1}</item>,<item>{}</item>', True, True),
+    ("items", "", True, True),
+    ("items", '<item>{}</item><item>{}</item>', False, False),
+    ("pieces", "Code: ABC!ab", True, True),
+    ("pieces", "Code: XYZb", True, True),
+    ("pieces", "Code: ABCabb", False, False),
+    ("pieces", "Code: AB", True, False),
+    ("sql", "<sql>SELECT name</q>", True, True),
+    ("sql", "<sql>DROP</sql>", False, False),
+    ("excludes", "fine text", True, True),
+    ("excludes", "this is BAD", False, False),
+    ("one_in_tag", "<r>hi <function=noargs>{}</function></r>", True, True),
+    ("one_in_tag", "<r>just text</r>", True, True),
+    ("one_in_tag", "<r>hi <function=noargs>{}</function> more</r>", False, False),
+    ("one_in_tag", "<r>text</r> after the tag", False, False),
+])
+def test_structural_tag_formats_bind_as_xgrammar_says(compiler, smollm2_tokenizer, fmt, text, allowed, accepting):
+    spec = S.structural_tag({"type": "structural_tag", "format": FORMATS[fmt]}, "response_format")
+    assert walk(compiler, smollm2_tokenizer, spec, text) == (allowed, accepting)
+
+
+def test_the_first_form_is_a_triggered_tags_format():
+    first = S.structural_tag(TAG, "response_format")
+    tags = [_tag(s["begin"], {"type": "json_schema", "json_schema": s["schema"]}, [s["end"]])
+            for s in TAG["structures"]]
+    assert json.loads(first.text) == {"format": {"type": "triggered_tags", "triggers": ["<function="], "tags": tags,
+                                                 "at_least_one": False, "stop_after_first": False, "excludes": []}}
+
+
+@pytest.mark.parametrize("fmt, param, message", [
+    ({"type": "token", "token": 1}, "response_format.format", "'token' format is not supported yet"),
+    ({"type": "sequence", "elements": [{"type": "any_text"}, _const("x")]}, "response_format.format.elements[0]",
+     "any_text has no end of its own"),
+    ({"type": "or", "elements": [CALLS, _const("x")]}, "response_format.format.elements[0]",
+     "triggered_tags has no end"),
+    ({"type": "json_schema", "json_schema": {}, "style": "qwen_xml"}, "response_format.format.style", 'only "json"'),
+    ({"type": "repeat", "min": 3, "max": 2, "content": _const("a")}, "response_format.format", "min and max"),
+    (_tag("<a>", {"type": "any_text", "max_tokens": 5}, "</a>"), "response_format.format.content.max_tokens",
+     "not supported yet"),
+    ({**CALLS, "tags": [_tag("<g>", _const("x"), "</g>")]}, "response_format.format.tags[0].begin",
+     "starts with none of the triggers"),
+    ({"type": "nope"}, "response_format.format", "unknown format type 'nope'"),
+    ({"type": "tag", "begin": "<a>", "content": _const("x")}, "response_format.format", "missing \\['end'\\]"),
+    ({"type": "regex", "pattern": "(a"}, "response_format.format.pattern", "invalid regex"),
+    (_tag("<a>", {"type": "any_text"}, ""), "response_format.format.content", "any_text has no end"),
+])
+def test_bad_structural_tag_formats_name_where(fmt, param, message):
+    with pytest.raises(S.GuideError, match=message) as e:
+        S.structural_tag({"type": "structural_tag", "format": fmt}, "response_format")
+    assert e.value.param == param
