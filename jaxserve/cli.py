@@ -315,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--return-tokens-as-token-ids", action="store_true", help="logprobs show each token as "
                    "'token_id:N' rather than its text (vLLM's flag; a request's return_tokens_as_token_ids "
                    "overrides it), for clients that must map tokens whose bytes are not valid text")
+    s.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                   help="the Responses API keeps the last N responses asked to be stored (store: true, OpenAI's "
+                        "default) in memory, for previous_response_id and GET/DELETE /v1/responses/{id}; 0 keeps "
+                        "none. A restart forgets them")
     s.add_argument("--max-concurrent-requests", type=int, default=1024, help="requests in flight at once; "
                    "more get 429 at once (no unbounded queue)")
     s.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger -> 413")
@@ -483,6 +487,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_stored_responses < 0:
+        raise ConfigError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     defaults, defaults_error = _sampling_defaults(model, args)
     names = args.served_model_name or [_name_of(model)]
     if isinstance(names, str):  # a config file's single name
@@ -595,6 +601,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             allowed_credentials=args.allowed_credentials,
             request_id_headers=args.enable_request_id_headers,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            max_stored_responses=args.max_stored_responses,
             max_concurrent_requests=args.max_concurrent_requests,
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,
@@ -655,6 +662,7 @@ _GENERATION_ONLY = {
     "--structured-output-*": "server.structured",
     "--quantization-group-size": "model.quantization_group_size",
     "--return-tokens-as-token-ids": "server.return_tokens_as_token_ids",
+    "--max-stored-responses": "server.max_stored_responses",
     "--generation-config / --override-generation-config": "model.sampling_defaults",
     "--distributed / --coordinator-address / --num-processes / --process-id": "parallel.distributed",
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
@@ -794,7 +802,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           reasoning_parser=srv.reasoning_parser, tool_call_parser=srv.tool_call_parser,
                           cors=cors_policy(srv), request_id_headers=srv.request_id_headers,
                           sampling_defaults=config.model.sampling_defaults,
-                          return_tokens_as_token_ids=srv.return_tokens_as_token_ids)
+                          return_tokens_as_token_ids=srv.return_tokens_as_token_ids,
+                          max_stored_responses=srv.max_stored_responses)
 
     srv = config.server
     try:

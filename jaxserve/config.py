@@ -135,6 +135,7 @@ class ServerConfig:
     allowed_credentials: bool = False
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers: X-Request-Id on responses
     return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs show tokens as "token_id:N"
+    max_stored_responses: int = 1024  # the Responses API's in-memory store (0: nothing kept)
     max_concurrent_requests: int = 1024  # over it: 429 at once
     max_request_bytes: int = 16 * 2**20  # over it: 413
     request_timeout: float | None = None  # seconds; None = no deadline

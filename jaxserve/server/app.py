@@ -29,6 +29,7 @@ from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
 from jaxserve.server.reasoning import check_parser
+from jaxserve.server.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve.server")
@@ -52,9 +53,11 @@ def create_app(
     request_id_headers: bool = False,
     sampling_defaults: dict[str, Any] | None = None,
     return_tokens_as_token_ids: bool = False,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
-    at the first constrained request (tests)."""
+    at the first constrained request (tests). max_stored_responses: the Responses API's store
+    (jaxserve.server.response_store; 0: nothing is kept)."""
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     names = ModelNames.of(served_model_name)
     state = ServerState(
@@ -66,6 +69,7 @@ def create_app(
                      if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
         images=images, sampling_defaults=dict(sampling_defaults or {}),
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        responses=ResponseStore(max_stored_responses) if max_stored_responses > 0 else None,
     )
     if state.sampling_defaults:  # as vLLM says it: a surprise otherwise, when answers differ from another server's
         log.info("requests that leave them unset sample with the model's generation_config.json: %s (start with "

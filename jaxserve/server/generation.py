@@ -29,6 +29,7 @@ from jaxserve.engine.request import SamplingParams
 from jaxserve.server.errors import ApiError
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
+from jaxserve.server.response_store import ResponseStore
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.multimodal.images import ImageSupport
 from jaxserve.structured.compiler import GrammarCompiler
@@ -56,6 +57,7 @@ class ServerState:
     # fields; jaxserve.generation_config), before each protocol's own defaults.
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs show "token_id:N"
+    responses: ResponseStore | None = None  # stored Responses-API responses (--max-stored-responses; None: 0)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     draining: bool = False

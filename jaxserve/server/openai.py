@@ -610,12 +610,21 @@ async def detokenize(state: ServerState) -> Response:
 
 def register(app: Quart, state: ServerState) -> None:
     from jaxserve.server.openai_chat import chat_completions
-    from jaxserve.server.openai_responses import ResponsesRequest, responses
+    from jaxserve.server.openai_responses import (
+        ResponsesRequest,
+        delete_response,
+        get_response,
+        list_input_items,
+        responses,
+    )
 
     for prefix in ("/v1", "/v3"):
         route(app, state, f"{prefix}/completions", completions, "POST", CompletionRequest)
         route(app, state, f"{prefix}/chat/completions", chat_completions, "POST", ChatCompletionRequest)
     route(app, state, "/v1/responses", responses, "POST", ResponsesRequest)
+    route(app, state, "/v1/responses/<response_id>", get_response, "GET")
+    route(app, state, "/v1/responses/<response_id>", delete_response, "DELETE")
+    route(app, state, "/v1/responses/<response_id>/input_items", list_input_items, "GET")
     for prefix in ("/v1", "/v3"):  # OVMS lists its models under /v3 too
         route(app, state, f"{prefix}/models", models, "GET")
         route(app, state, f"{prefix}/models/<path:name>", model, "GET")  # names may hold "/" (org/model)

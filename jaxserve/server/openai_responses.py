@@ -14,10 +14,14 @@ constraint, which any output it allows also satisfies), `include:
 changing nothing here: `metadata`, `user`, `safety_identifier`, `prompt_cache_key` (the prefix
 cache is automatic) and `max_tool_calls` (jaxserve.server.accepted_fields.RESPONSES says why).
 
-Nothing is stored. `store` is accepted (OpenAI's default is true; the client omits it) but no
-response is kept, so what needs a stored object is refused with a 400 naming it:
-`previous_response_id`, `conversation`, `prompt` (stored prompt templates), `background`, and
-`item_reference` input items. Refused too, as they would otherwise be ignored: hosted tools (web
+Responses are stored (`store`, true by default as in OpenAI's API) in memory, the last
+--max-stored-responses of them (jaxserve.server.response_store): `previous_response_id` continues
+one (its input and output come before the request's own input; its `instructions` do not carry
+over, as in OpenAI's), and `GET` / `DELETE /v1/responses/{id}` and `GET .../input_items` read and
+forget them. With `store: false`, or --max-stored-responses 0, nothing is kept. What needs more
+than that is refused with a 400 naming it: `conversation` (the Conversations API), `prompt`
+(stored prompt templates), `background`, and `item_reference` input items. Refused too, as they
+would otherwise be ignored: hosted tools (web
 search, file search, MCP, ...), input items other than messages, function calls and their outputs
 (and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
 (the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
@@ -49,7 +53,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
-from quart import Response, jsonify
+from quart import Response, jsonify, request
 
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import MAX_TOP_LOGPROBS, SamplingParams
@@ -59,6 +63,7 @@ from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.generation import Flight, ServerState
 from jaxserve.server.openai import chat_logprobs, draft_counts, parse, prediction_details
+from jaxserve.server.response_store import StoredResponse, page, with_ids
 from jaxserve.server.tools import forced_tools, function_schemas
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
@@ -117,7 +122,8 @@ class ResponsesRequest(_Forbid):
     prompt: Any = None
 
 
-_STORED = "nothing is stored here (store is accepted, no response is kept); send the whole conversation as input"
+_NO_CONVERSATIONS = ("the Conversations API is not served here; continue a stored response with previous_response_id "
+                     "or send the whole conversation as input")
 
 
 def _bad_metadata(r: ResponsesRequest) -> bool:
@@ -131,10 +137,10 @@ def _obfuscation(r: ResponsesRequest) -> bool:
 
 # (parameter, is it set to something we cannot honour, why): validation as data.
 _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
-    ("previous_response_id", lambda r: r.previous_response_id is not None, _STORED),
-    ("conversation", lambda r: r.conversation is not None, _STORED),
+    ("conversation", lambda r: r.conversation is not None, _NO_CONVERSATIONS),
     ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not available; send instructions"),
-    ("background", lambda r: bool(r.background), "background responses need a stored response to poll"),
+    ("background", lambda r: bool(r.background), "responses run while their request waits (or streams) here; "
+     "ask without background"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
      "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
     ("text.verbosity", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
@@ -167,31 +173,40 @@ _ITEM_WHY = {
 }
 
 
-def chat_messages(req: ResponsesRequest, reasons: bool = False) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it, `instructions` first as a system message;
-    with a reasoning model, reasoning items go to the next assistant message."""
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's own input as items (a string is one user message)."""
     if req.input is None:
-        raise ApiError(400, "input: required (nothing is stored to continue from)", "input")
+        raise ApiError(400, "input: required", "input")
     if not req.input:
         raise ApiError(400, "input: must not be empty", "input")
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    return [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def chat_messages(req: ResponsesRequest, reasons: bool = False,
+                  previous: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it, `instructions` first as a system message,
+    then `previous` (a stored response's conversation) and the request's input; with a reasoning
+    model, reasoning items go to the next assistant message."""
+    own = input_items(req)
     out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     thought: list[str] = []
-    for i, item in enumerate(items):
+    named = [(f"previous_response_id ({req.previous_response_id}) item {i}", item)
+             for i, item in enumerate(previous or [])] + [(f"input[{i}]", item) for i, item in enumerate(own)]
+    for where, item in named:
         kind = item.get("type") if isinstance(item, dict) else None
         if reasons and kind == "reasoning":
-            thought.append(_reasoning_text(item, f"input[{i}]"))
+            thought.append(_reasoning_text(item, where))
             continue
         if kind == "function_call":
             if thought:  # the thinking before these calls belongs to their turn
                 out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(thought)})
                 thought = []
-            responses_tools.add_call(out, item, f"input[{i}]")
+            responses_tools.add_call(out, item, where)
             continue
         if kind == "function_call_output":
-            out.append(responses_tools.call_output(out, item, f"input[{i}]"))
+            out.append(responses_tools.call_output(out, item, where))
             continue
-        message = _message(item, f"input[{i}]")
+        message = _message(item, where)
         if thought and message["role"] == "assistant":
             message["reasoning_content"] = "\n".join(thought)
             thought = []
@@ -232,9 +247,10 @@ def _part_text(part: Any, where: str) -> str:
     return part["text"]
 
 
-def prompt_ids(state: ServerState, req: ResponsesRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+def prompt_ids(state: ServerState, req: ResponsesRequest, tools: list[dict[str, Any]] | None = None,
+               previous: list[dict[str, Any]] | None = None) -> list[int]:
     try:
-        return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None),
+        return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None, previous),
                                            add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:
         raise ApiError(400, f"chat template: {e}", "input") from e
@@ -307,6 +323,8 @@ class Reply:
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.num_top = req.top_logprobs or 0
+        # Kept once finished: asked to be (store, OpenAI's default) on a server that stores.
+        self.stored = state.responses is not None and req.store is not False
 
     def add(self, delta: RequestOutput) -> list[tuple[Any, ...]]:
         """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
@@ -437,9 +455,10 @@ class Reply:
             "model": self.state.model_name, "output": self.output() if done else [],
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning or {"effort": None, "summary": None}, "service_tier": "default",
-            "store": False, "background": False,
+            "store": self.stored, "background": False,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0, "top_logprobs": self.num_top,
             "text": {"format": self.fmt, "verbosity": "medium"}, "tool_choice": req.tool_choice or "auto",
@@ -463,11 +482,12 @@ class Reply:
 _LAST_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
 
 
-async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
+async def _events(reply: Reply, flight: Flight, keep: Callable[[], None]) -> AsyncIterator[bytes]:
     """The Responses event stream: lifecycle events, then each output item as it appears -- a
     reasoning item with its reasoning_text deltas, the message with one output_text part and its
     deltas, a function_call item with its argument deltas -- and the closing events. A failure
-    mid-stream sends `error`, then response.failed."""
+    mid-stream sends `error`, then response.failed. `keep` stores the finished response before
+    its last event goes out (so a client may continue it as soon as it has read that)."""
     numbers = itertools.count()
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -522,31 +542,92 @@ async def _events(reply: Reply, flight: Flight) -> AsyncIterator[bytes]:
         error = error_event(e, "openai")["error"]
         reply.fail(error["message"])
         yield event("error", code=error["code"], message=error["message"], param=error["param"])
+        keep()
         yield event("response.failed", response=reply.body())
         return
+    keep()
     yield event(_LAST_EVENT[reply.status], response=reply.body())
 
 
 async def responses(state: ServerState) -> Response:
-    """OpenAI Responses API: one assistant message through the chat template; nothing is stored."""
+    """OpenAI Responses API: one assistant message through the chat template, stored when asked
+    (module docstring)."""
     req = await parse(ResponsesRequest)
     state.model_names.check(req.model)
     refuse_unhonoured(req)
+    previous = None
+    if req.previous_response_id is not None:
+        previous = state.responses.get(req.previous_response_id) if state.responses is not None else None
+        if previous is None:
+            raise ApiError(404, f"previous_response_id: no stored response {req.previous_response_id!r} (responses "
+                           f"are kept in memory, the last {_store_size(state)}, and only with store: true)",
+                           "previous_response_id")
     tools = responses_tools.chat_tools(req.tools)
     choice = responses_tools.chat_tool_choice(req.tool_choice)
     tools_on = bool(tools) and choice != "none"
     schemas = function_schemas(tools) if tools else {}
     forced = forced_tools(tools, choice, req.parallel_tool_calls)
-    prompt = prompt_ids(state, req, tools if tools_on else None)
+    earlier = previous.conversation if previous is not None else []
+    prompt = prompt_ids(state, req, tools if tools_on else None, earlier)
     params = sampling_params(req, state.sampling_defaults)
     fmt, spec = text_format(req)
     plan = answers.plan(state, prompt, forced, tools_on and forced is None, schemas)
     await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)
     reply = Reply(state, req, len(prompt), fmt, plan)
+    own = input_items(req)
+
+    def keep() -> None:
+        if reply.stored and state.responses is not None:
+            state.responses.put(StoredResponse(reply.body(), with_ids(own), [*earlier, *own, *reply.output()]))
+
     async with state.admit() as flight:
         await submit(flight, reply.id, prompt, params)
         if req.stream:
-            return sse.sse_response(flight.respond(_events(reply, flight)))
+            return sse.sse_response(flight.respond(_events(reply, flight, keep)))
         (result,) = await flight.collect()
     reply.add(result)
+    keep()
     return jsonify(reply.body())
+
+
+def _store_size(state: ServerState) -> int:
+    return state.responses.max_entries if state.responses is not None else 0
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    found = state.responses.get(response_id) if state.responses is not None else None
+    if found is None:
+        raise ApiError(404, f"no stored response {response_id!r}", "response_id")
+    return found
+
+
+async def get_response(state: ServerState, response_id: str) -> Response:
+    """A stored response (OpenAI's `responses.retrieve`)."""
+    return jsonify(_stored(state, response_id).body)
+
+
+async def delete_response(state: ServerState, response_id: str) -> Response:
+    """Forget a stored response (OpenAI's `responses.delete`)."""
+    _stored(state, response_id)
+    state.responses.delete(response_id)  # type: ignore[union-attr]  # _stored found the store
+    return jsonify({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(state: ServerState, response_id: str) -> Response:
+    """A stored response's own input items (OpenAI's `responses.input_items.list`): `order` "desc"
+    (OpenAI's default) or "asc", `limit` 1-100 (20), `after` an item id."""
+    found = _stored(state, response_id)
+    args = request.args
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
+    try:
+        limit = int(args.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit: must be an integer from 1 to 100, got {args.get('limit')!r}", "limit")
+    try:
+        return jsonify(page(found.input_items, order, limit, args.get("after")))
+    except KeyError:
+        raise ApiError(400, f"after: no input item {args.get('after')!r} in this response", "after") from None

@@ -135,10 +135,65 @@ def test_logprobs_when_included(client):
 
 
 @pytest.mark.slow
+def test_stored_responses_continue_read_and_delete(client):
+    """store (OpenAI's default): previous_response_id puts the stored conversation before the
+    input (the same greedy tokens as the whole conversation sent at once); retrieve, input_items
+    and delete read and forget it; store false keeps nothing."""
+    first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8, temperature=0,
+                                    instructions="Answer in one word.")
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model=MODEL, input="And another one?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    # The earlier instructions do not carry over (OpenAI's rule); its input and output do.
+    whole = _chat(client, [{"role": "user", "content": "Name a colour."},
+                           {"role": "assistant", "content": first.output_text},
+                           {"role": "user", "content": "And another one?"}], 8)
+    assert second.output_text == whole.choices[0].message.content
+    assert second.previous_response_id == first.id and second.usage.input_tokens == whole.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "And another one?")]
+    # Streamed responses are stored too, once they finish.
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0,
+                                          previous_response_id=second.id, stream=True))
+    streamed = events[-1].response
+    assert events[-1].type == "response.incomplete" and events[0].response.store is streamed.store is True
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
+    assert caught.value.body["param"] == "previous_response_id"
+    # The second holds the whole conversation, so it still continues with the first gone.
+    third = client.responses.create(model=MODEL, input="One more?", previous_response_id=second.id,
+                                    max_output_tokens=4, temperature=0)
+    assert third.usage.input_tokens > second.usage.input_tokens
+    unstored = client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.slow
+def test_a_stored_function_call_is_answered_by_its_output(client):
+    """The function_call a stored response made is what a function_call_output continuing it answers."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}]
+    call = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, max_output_tokens=30,
+                                   tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    (item,) = call.output
+    assert item.type == "function_call"
+    answer = client.responses.create(model=MODEL, previous_response_id=call.id, tools=tools, max_output_tokens=6,
+                                     temperature=0, input=[{"type": "function_call_output", "call_id": item.call_id,
+                                                            "output": "sunny"}])
+    assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"input": ""}, "input", "empty"),
     ({"input": []}, "input", "empty"),
-    ({"input": QUESTION, "previous_response_id": "resp_123"}, "previous_response_id", "stored"),
     ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": "word " * 600}, "input", "context limit of 512"),
     ({"input": QUESTION, "max_output_tokens": 600}, "max_output_tokens", "max_output_tokens is 600"),
