@@ -18,9 +18,12 @@ Responses are stored (`store`, true by default as in OpenAI's API) in memory, th
 --max-stored-responses of them (jaxserve.server.response_store): `previous_response_id` continues
 one (its input and output come before the request's own input; its `instructions` do not carry
 over, as in OpenAI's), and `GET` / `DELETE /v1/responses/{id}` and `GET .../input_items` read and
-forget them. With `store: false`, or --max-stored-responses 0, nothing is kept. What needs more
-than that is refused with a 400 naming it: `conversation` (the Conversations API), `prompt`
-(stored prompt templates), `background`, and `item_reference` input items. Refused too, as they
+forget them. With `store: false`, or --max-stored-responses 0, nothing is kept. `background: true`
+(stored responses only) answers once the request is admitted, status "in_progress", and the
+generation runs on: `GET` polls it, `POST /v1/responses/{id}/cancel` stops it ("cancelled"). What
+needs more than that is refused with a 400 naming it: `conversation` (the Conversations API),
+`prompt` (stored prompt templates), a streamed background response, and `item_reference` input
+items. Refused too, as they
 would otherwise be ignored: hosted tools (web
 search, file search, MCP, ...), input items other than messages, function calls and their outputs
 (and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
@@ -46,6 +49,8 @@ template (jaxserve.server.responses_tools).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
 import time
 import uuid
@@ -139,8 +144,8 @@ def _obfuscation(r: ResponsesRequest) -> bool:
 _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
     ("conversation", lambda r: r.conversation is not None, _NO_CONVERSATIONS),
     ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not available; send instructions"),
-    ("background", lambda r: bool(r.background), "responses run while their request waits (or streams) here; "
-     "ask without background"),
+    ("background", lambda r: bool(r.background) and bool(r.stream), "a background response is not streamed here; "
+     "poll it with GET /v1/responses/{id}, or stream without background"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
      "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
     ("text.verbosity", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
@@ -325,6 +330,7 @@ class Reply:
         self.num_top = req.top_logprobs or 0
         # Kept once finished: asked to be (store, OpenAI's default) on a server that stores.
         self.stored = state.responses is not None and req.store is not False
+        self.cancelled = False  # a background response cancelled (POST /v1/responses/{id}/cancel)
 
     def add(self, delta: RequestOutput) -> list[tuple[Any, ...]]:
         """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
@@ -403,12 +409,18 @@ class Reply:
 
     @property
     def status(self) -> str:
+        if self.cancelled:
+            return "cancelled"
         if self.error is not None:
             return "failed"
         return {None: "in_progress", "stop": "completed"}.get(self.finish_reason, "incomplete")
 
     def _item_status(self) -> str:
         return self.status if self.status in ("in_progress", "completed") else "incomplete"
+
+    @property
+    def done(self) -> bool:
+        return self.status != "in_progress"
 
     def part(self, done: bool = True) -> dict[str, Any]:
         """The message's text part; not done: as announced when it opens, empty (a delta that opens
@@ -447,7 +459,7 @@ class Reply:
 
     def body(self) -> dict[str, Any]:
         req, status = self.req, self.status
-        done = status != "in_progress"
+        done = self.done
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": self.completed_at if status == "completed" else None, "error": self.error,
@@ -458,7 +470,7 @@ class Reply:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning or {"effort": None, "summary": None}, "service_tier": "default",
-            "store": self.stored, "background": False,
+            "store": self.stored, "background": bool(req.background),
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0, "top_logprobs": self.num_top,
             "text": {"format": self.fmt, "verbosity": "medium"}, "tool_choice": req.tool_choice or "auto",
@@ -562,6 +574,9 @@ async def responses(state: ServerState) -> Response:
             raise ApiError(404, f"previous_response_id: no stored response {req.previous_response_id!r} (responses "
                            f"are kept in memory, the last {_store_size(state)}, and only with store: true)",
                            "previous_response_id")
+        if previous.body["status"] == "in_progress":
+            raise ApiError(400, f"previous_response_id: {req.previous_response_id!r} is still in progress; continue "
+                           "it once it has finished", "previous_response_id")
     tools = responses_tools.chat_tools(req.tools)
     choice = responses_tools.chat_tool_choice(req.tool_choice)
     tools_on = bool(tools) and choice != "none"
@@ -580,6 +595,12 @@ async def responses(state: ServerState) -> Response:
         if reply.stored and state.responses is not None:
             state.responses.put(StoredResponse(reply.body(), with_ids(own), [*earlier, *own, *reply.output()]))
 
+    if req.background:
+        if not reply.stored:
+            raise ApiError(400, "background: a background response is polled from the store; it needs store true "
+                           "(and a server started with --max-stored-responses above 0)", "background")
+        await _run_in_background(state, reply, prompt, params, keep)
+        return jsonify(reply.body())
     async with state.admit() as flight:
         await submit(flight, reply.id, prompt, params)
         if req.stream:
@@ -587,6 +608,58 @@ async def responses(state: ServerState) -> Response:
         (result,) = await flight.collect()
     reply.add(result)
     keep()
+    return jsonify(reply.body())
+
+
+# Background responses running now, by id (for cancel): their flight and their Reply.
+_running: dict[str, tuple[Flight, Reply]] = {}
+
+
+async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int], params: SamplingParams,
+                             keep: Callable[[], None]) -> None:
+    """Admit and submit now (a full server or a refused request answers this request), then let
+    the generation run on in a task of its own, outliving this HTTP exchange; it stores the
+    response as it starts and again when it ends (GET /v1/responses/{id} polls it)."""
+    admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def run() -> None:
+        try:
+            async with state.admit() as flight:
+                await submit(flight, reply.id, prompt, params)
+                _running[reply.id] = (flight, reply)
+                keep()
+                admitted.set_result(None)
+                (result,) = await flight.collect()
+            reply.add(result)
+        except Exception as e:  # noqa: BLE001 -- refused before it started: this request's answer
+            if not admitted.done():
+                admitted.set_exception(e)
+                return
+            reply.fail(error_event(e, "openai")["error"]["message"])
+        finally:
+            _running.pop(reply.id, None)
+        keep()
+
+    # A context of its own: the flight must not end with this exchange (end_flights_with_exchanges).
+    asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    await admitted
+
+
+async def cancel_response(state: ServerState, response_id: str) -> Response:
+    """Cancel a background response still running (OpenAI's `responses.cancel`): its generation
+    stops, and it is stored as it stands, status "cancelled"."""
+    running = _running.get(response_id)
+    if running is None:
+        _stored(state, response_id)  # 404 for an unknown id
+        raise ApiError(400, f"response_id: {response_id!r} is not a background response in progress; only those "
+                       "can be cancelled", "response_id")
+    flight, reply = running
+    reply.cancelled = True
+    flight.release()  # aborts its engine request: the generation ends at the next step
+    for _ in range(200):  # the task stores the cancelled response as its generation ends
+        if response_id not in _running:
+            break
+        await asyncio.sleep(0.01)
     return jsonify(reply.body())
 
 

@@ -176,6 +176,33 @@ def test_stored_responses_continue_read_and_delete(client):
 
 
 @pytest.mark.slow
+def test_background_responses_are_polled_and_cancelled(client):
+    """background: the request returns while the response runs; GET polls it to the same answer
+    as a foreground run; cancel stops one running (status "cancelled"); a finished one cannot be."""
+    import time
+
+    started = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0,
+                                      background=True)
+    assert started.background is True and started.status in ("in_progress", "completed")
+    deadline = time.monotonic() + 60
+    while (polled := client.responses.retrieve(started.id)).status == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    foreground = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0)
+    assert polled.status == foreground.status and polled.output_text == foreground.output_text
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(started.id)  # finished
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="x", background=True, store=False, max_output_tokens=2)
+    assert caught.value.param == "background"
+    long = client.responses.create(model=MODEL, input="Count from 1 to 500, one number per line.",
+                                   max_output_tokens=400, temperature=0, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 400
+    assert client.responses.retrieve(long.id).status == "cancelled"
+
+
+@pytest.mark.slow
 def test_a_stored_function_call_is_answered_by_its_output(client):
     """The function_call a stored response made is what a function_call_output continuing it answers."""
     tools = [{"type": "function", "name": "get_weather", "parameters": {
@@ -216,7 +243,7 @@ def _post(body: dict) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "stream": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tool_choice": "required"}, "tools"),  # forcing a call needs tools
