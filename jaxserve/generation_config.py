@@ -86,7 +86,7 @@ def for_server(model: str | Path, mode: str = "auto",
         if mode != "auto":
             raise
         sampling_defaults(model, "vllm", overrides)  # the overrides alone: refused now when wrong
-        return {}, f"{e} (--generation-config vllm serves without the file)"
+        return {}, f"{e} (--generation-config vllm, or LLM(generation_config=\"vllm\"), serves without the file)"
 
 
 def _checked(key: str, value: Any, source: str) -> Any:

@@ -129,7 +129,10 @@ class AsyncEngine(EngineThread):
             out = self.engine.abort(rid)
             if out is None:
                 base, _, index = rid.rpartition("_")
-                out = self.engine.abort_sample(base, int(index)) if base and index.isdigit() else None
+                # ASCII digits only: str.isdigit takes "²", which int() refuses (and an exception
+                # here would end the engine thread); nine at most, as no request has more samples.
+                sample = base and index.isascii() and index.isdigit() and len(index) <= 9
+                out = self.engine.abort_sample(base, int(index)) if sample else None
                 rid = base
             if out is not None:
                 self._post(rid, out, last=out.finished)

@@ -279,9 +279,11 @@ class Engine:
         """Stop sample `index` of a request of n samples (SGLang aborts each by its own rid); the
         others run on. Its pages are free before the next step; the output carries its last delta
         (finish_reason "abort") and is the request's last once no sample runs. None when there is
-        no such running sample, or the request is a beam search (whose beams are one search)."""
+        no such running sample, or the request is a beam search (whose beams are one search) or
+        samples more than it returns (best_of > n: which ones it returns is known only at the end)."""
         req = self.requests.get(request_id)
-        if req is None or req.params.use_beam_search or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
+        if req is None or req.params.use_beam_search or req.params.num_samples != req.params.n \
+                or not 0 <= index < len(req.seqs) or req.seqs[index].is_finished:
             return None
         seq = req.seqs[index]
         self.scheduler.finish(seq, FinishReason.ABORT)

@@ -67,15 +67,20 @@ class ImageSupport:
 
     def prepare(self, spec: str, param: str, multi_image: bool = False) -> PreparedImage:
         """Load and preprocess one image (blocking: Pillow work)."""
-        return self.prepare_image(load_image(spec, self.policy, param), multi_image)
+        return self.prepare_image(load_image(spec, self.policy, param), multi_image, param)
 
-    def prepare_image(self, image: Any, multi_image: bool = False) -> PreparedImage:
+    def prepare_image(self, image: Any, multi_image: bool = False, param: str = "image") -> PreparedImage:
         """Preprocess a decoded image. multi_image: one of several in its prompt, which some models
-        read differently (LLaVA-OneVision: one tile), so it is keyed apart."""
+        read differently (LLaVA-OneVision: one tile), so it is keyed apart. An image the processor
+        cannot take (an extreme aspect ratio, too many patches) is an InvalidRequestError naming
+        `param`."""
         image = image.convert("RGB") if image.mode != "RGB" else image
         multi_image = multi_image and getattr(self.processor, "reads_multi_image", False)
         key = image_hash(image) + ("/multi" if multi_image else "") + self.variant
-        return PreparedImage(key, self.processor.preprocess(image, multi_image=multi_image))
+        try:
+            return PreparedImage(key, self.processor.preprocess(image, multi_image=multi_image))
+        except ValueError as e:
+            raise InvalidRequestError(param, str(e)) from None
 
     async def prepare_all(self, specs: list[tuple[str, str]]) -> list[PreparedImage]:
         """One prompt's images, each (spec, parameter name), loaded and preprocessed off the event loop."""

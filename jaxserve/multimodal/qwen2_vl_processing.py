@@ -84,6 +84,9 @@ class Qwen2VLImageProcessor:
     do_rescale: bool = True
     do_normalize: bool = True
     do_convert_rgb: bool = True
+    # The most patches one image may have: the vision encoder's compiled capacity, which a
+    # request's own max_pixels (with_kwargs) may lower but never raise. None: max_pixels' patches.
+    patch_limit: int | None = None
 
     @classmethod
     def from_hf(cls, preprocessor_config: dict[str, Any], model_config: dict[str, Any]) -> Qwen2VLImageProcessor:
@@ -126,6 +129,11 @@ class Qwen2VLImageProcessor:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def max_patches(self) -> int:
+        """The most patches an image may have: what the vision encoder is compiled for."""
+        return self.patch_limit if self.patch_limit is not None else self.max_pixels // self.patch_size**2
+
     def with_kwargs(self, kwargs: dict[str, Any], param: str, capped: bool = True) -> Qwen2VLImageProcessor:
         """This processor with vLLM's mm_processor_kwargs for Qwen2-VL applied: min_pixels and
         max_pixels (what an image is resized into). `capped`: a request's max_pixels may not exceed
@@ -139,7 +147,7 @@ class Qwen2VLImageProcessor:
             if not isinstance(value, int) or isinstance(value, bool) or value < self.factor**2:
                 raise ValueError(f"{param}.{key}: expected an integer of at least {self.factor**2} (one "
                                  f"{self.factor}x{self.factor} merged patch), got {value!r}")
-        out = dataclasses.replace(self, **kwargs)
+        out = dataclasses.replace(self, **kwargs, patch_limit=self.max_patches if capped else None)
         if capped and out.max_pixels > self.max_pixels:
             raise ValueError(f"{param}.max_pixels: at most {self.max_pixels}, the server's (its vision encoder is "
                              f"compiled for images that size; --mm-processor-kwargs raises it), got {out.max_pixels}")
@@ -169,6 +177,13 @@ class Qwen2VLImageProcessor:
         height, width = image.height, image.width
         if self.do_resize:
             h, w = self.resized_size(height, width)
+            patches = (h // self.patch_size) * (w // self.patch_size)
+            if patches > self.max_patches:
+                # smart_resize rounds a scaled-up image's sides up: with min_pixels near max_pixels
+                # its area may pass both.
+                raise ValueError(f"a {width}x{height} image resizes to {w}x{h}, {patches} patches, over the "
+                                 f"{self.max_patches} the vision encoder takes (min_pixels {self.min_pixels} scales "
+                                 "it up that far; lower min_pixels)")
             # HF resizes even to the same size; Pillow then copies, so nothing differs.
             image = image.resize((w, h), resample=Image.Resampling(self.resample))
         pixels = np.asarray(image)

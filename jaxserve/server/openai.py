@@ -588,8 +588,10 @@ async def tokenize(state: ServerState) -> Response:
         ids, _ = await expand_images(state, ids, urls, "messages",  # the ids a chat request would run
                                      req.mm_processor_kwargs)
     else:
-        if req.documents is not None:
-            raise ApiError(400, "documents: given to a chat template, so only with messages", "documents")
+        for name in ("documents", "mm_processor_kwargs"):
+            if getattr(req, name) is not None:
+                raise ApiError(400, f"{name}: for a chat's messages (images, a template); this request has a "
+                               "prompt", name)
         ids = state.tokenizer.encode_prompt(req.prompt or "", add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                             "token_strs": None}

@@ -275,11 +275,18 @@ class _Writer:
             last, took = self.expr(node["elements"][-1], follow, f"{where}.elements[{len(parts)}]")
             return "(" + " ".join(parts + [last]) + ")", took
         if kind == "or":
-            return "(" + " | ".join(self.expr(e, None, f"{where}.elements[{i}]")[0]
-                                    for i, e in enumerate(node["elements"])) + ")", False
-        if kind in ("optional", "plus", "star"):
+            # Each alternative ends where the or does: one that takes the tag's end is followed
+            # by nothing, the others by that end.
+            alternatives = [self.expr(e, follow, f"{where}.elements[{i}]") for i, e in enumerate(node["elements"])]
+            return self._ended(alternatives, follow)
+        if kind == "optional":
+            content, took = self.expr(node["content"], follow, f"{where}.content")
+            if isinstance(follow, list) and took:  # the content, or nothing before the end
+                return self._ended([(content, True), ("", False)], follow)
+            return f"({content})?", False
+        if kind in ("plus", "star"):
             inner = self.expr(node["content"], None, f"{where}.content")[0]
-            return f"({inner}){ {'optional': '?', 'plus': '+', 'star': '*'}[kind]}", False
+            return f"({inner}){ {'plus': '+', 'star': '*'}[kind]}", False
         if kind == "repeat":
             inner = self.expr(node["content"], None, f"{where}.content")[0]
             lo, hi = node["min"], node["max"]
@@ -296,6 +303,15 @@ class _Writer:
             more = f"({json.dumps(node['separator'])} {one})*" if node["separator"] else f"{one}*"
             return (f"{one} {more}" if node["at_least_one"] else f"({one} {more})?"), False
         return self._triggered(node, follow, where)
+
+    @staticmethod
+    def _ended(alternatives: list[tuple[str, bool]], follow: Any) -> tuple[str, bool]:
+        """Alternatives as one expression: where `follow` is a tag's end strings and any of them
+        took it, the others get it appended, and the whole took it."""
+        if not isinstance(follow, list) or not any(took for _, took in alternatives):
+            return "(" + " | ".join(e for e, _ in alternatives) + ")", False
+        end = "(" + " | ".join(json.dumps(e) for e in follow) + ")"
+        return "(" + " | ".join(e if took else f"{e} {end}".strip() for e, took in alternatives) + ")", True
 
     def _tag(self, tag: dict[str, Any], begin: str, where: str) -> str:
         """begin (the part of it not yet written), content, end."""

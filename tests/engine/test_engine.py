@@ -204,6 +204,11 @@ def test_aborting_one_sample_leaves_the_others_as_they_were(engine, smollm2_toke
     last = engine.abort_sample("n2", 1)
     assert last.finished and last.outputs[0].finish_reason == "abort" and not engine.has_unfinished()
     engine.check_idle_integrity()
+    # best_of > n: which samples are returned is known only at the end; none is aborted alone.
+    engine.add_request("best", prompt, SamplingParams(n=1, best_of=2, max_tokens=4, ignore_eos=True))
+    assert engine.abort_sample("best", 1) is None
+    engine.abort("best")
+    engine.check_idle_integrity()
 
 
 def test_requests_that_can_never_fit_are_refused(engine, smollm2_tokenizer):

@@ -101,8 +101,11 @@ def test_abort_request_ends_one_sample_by_its_rid(server):
     assert last[1]["id"] == "pair_1" and last[1]["finish_reason"]["type"] == "abort"
     assert last[1]["completion_tokens"] < 300
     assert last[0]["finish_reason"]["type"] == "length" and last[0]["completion_tokens"] == 300
-    # A rid that names nothing (no such request, no such sample) is a no-op, as in SGLang.
-    assert _post(server, "/abort_request", {"rid": "pair_7"}).status_code == 200
+    # A rid that names nothing (no such request, no such sample) is a no-op, as in SGLang; one
+    # whose "index" int() cannot read ("²" is a digit to str.isdigit) leaves the engine running.
+    for rid in ("pair_7", "pair_²", "pair_" + "9" * 5000):
+        assert _post(server, "/abort_request", {"rid": rid}).status_code == 200
+    assert _post(server, "/generate", {"text": PROMPT, "sampling_params": GREEDY}).status_code == 200
 
 
 def test_generate_refuses_images_and_unknown_params(server):

@@ -275,6 +275,11 @@ FORMATS = {
     "sql": _tag("<sql>", {"type": "grammar", "grammar": 'root ::= "SELECT " [a-z]+'}, ["</sql>", "</q>"]),
     "excludes": {"type": "any_text", "excludes": ["BAD"]},
     "one_in_tag": _tag("<r>", {**CALLS, "stop_after_first": True}, "</r>"),
+    # Alternatives and options ending where the output or their tag does.
+    "or_at_end": {"type": "or", "elements": [_const("none"), {"type": "any_text", "excludes": ["x"]}]},
+    "optional_in_tag": _tag("<r>", {"type": "optional", "content": {"type": "any_text"}}, "</r>"),
+    "or_in_tag": _tag("<r>", {"type": "or", "elements": [_const("A"), {"type": "any_text", "excludes": ["B"]}]},
+                      "</r>"),
 }
 
 
@@ -305,6 +310,15 @@ FORMATS = {
     ("one_in_tag", "<r>just text</r>", True, True),
     ("one_in_tag", "<r>hi <function=noargs>{}</function> more</r>", False, False),
     ("one_in_tag", "<r>text</r> after the tag", False, False),
+    ("or_at_end", "none", True, True),
+    ("or_at_end", "any words", True, True),
+    ("or_at_end", "an x", False, False),
+    ("optional_in_tag", "<r></r>", True, True),
+    ("optional_in_tag", "<r>free</r>", True, True),
+    ("optional_in_tag", "<r>free</r>more", False, False),
+    ("or_in_tag", "<r>A</r>", True, True),
+    ("or_in_tag", "<r>zz</r>", True, True),
+    ("or_in_tag", "<r>zBz</r>", False, False),
 ])
 def test_structural_tag_formats_bind_as_xgrammar_says(compiler, smollm2_tokenizer, fmt, text, allowed, accepting):
     spec = S.structural_tag({"type": "structural_tag", "format": FORMATS[fmt]}, "response_format")
@@ -323,8 +337,9 @@ def test_the_first_form_is_a_triggered_tags_format():
     ({"type": "token", "token": 1}, "response_format.format", "'token' format is not supported yet"),
     ({"type": "sequence", "elements": [{"type": "any_text"}, _const("x")]}, "response_format.format.elements[0]",
      "any_text has no end of its own"),
-    ({"type": "or", "elements": [CALLS, _const("x")]}, "response_format.format.elements[0]",
-     "triggered_tags has no end"),
+    ({"type": "sequence", "elements": [{"type": "or", "elements": [CALLS, _const("x")]}, _const("y")]},
+     "response_format.format.elements[0].elements[0]", "triggered_tags has no end"),
+    ({"type": "star", "content": {"type": "any_text"}}, "response_format.format.content", "any_text has no end"),
     ({"type": "json_schema", "json_schema": {}, "style": "qwen_xml"}, "response_format.format.style", 'only "json"'),
     ({"type": "repeat", "min": 3, "max": 2, "content": _const("a")}, "response_format.format", "min and max"),
     (_tag("<a>", {"type": "any_text", "max_tokens": 5}, "</a>"), "response_format.format.content.max_tokens",

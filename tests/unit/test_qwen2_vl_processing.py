@@ -93,6 +93,18 @@ def test_mm_processor_kwargs_resize_as_hf_given_the_same_bounds():
                             ({"min_pixels": 28 * 28 * 20, "max_pixels": 28 * 28 * 10}, "exceeds max_pixels")]:
         with pytest.raises(ValueError, match=message):
             server.with_kwargs(kwargs, "mm_processor_kwargs")
+    # smart_resize rounds a scaled-up image's sides up: min_pixels at the server's max_pixels can
+    # make an image larger than the encoder takes, which is refused (a 400 at the server).
+    tight = server.with_kwargs({"min_pixels": 28 * 28 * 64}, "mm_processor_kwargs")
+    with pytest.raises(ValueError, match="over the 256 the vision encoder takes"):
+        tight.preprocess(_image(10, 353))
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.multimodal.images import ImageSupport
+    from jaxserve.multimodal.media import MediaPolicy
+
+    with pytest.raises(InvalidRequestError) as caught:
+        ImageSupport(tight, 1, "<image>", MediaPolicy()).prepare_image(_image(10, 353), param="messages")
+    assert caught.value.param == "messages"
     # The server's own flag may raise it (it sizes the encoder).
     assert server.with_kwargs({"max_pixels": HUB_MAX}, "--mm-processor-kwargs", capped=False).max_pixels == HUB_MAX
 
