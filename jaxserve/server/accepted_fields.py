@@ -79,8 +79,7 @@ OPENAI_CHAT_REFUSED: Reasons = {
 RESPONSES: Reasons = {
     "user": _USER,
     "safety_identifier": _USER,
-    "store": "nothing is stored here: no response is kept, whatever its value",
-    "metadata": "tags for a stored response: echoed, nothing is stored",
+    "metadata": "tags for a stored response: kept with it and echoed, changing nothing else",
     "prompt_cache_key": OPENAI_CHAT["prompt_cache_key"],
     "max_tool_calls": "caps calls to OpenAI's built-in tools, which are refused here",
     "service_tier": "'auto' and 'default' only (others are refused): there is one tier",

@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -108,8 +109,8 @@ class ResponsesRequest(_Forbid):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     metadata: dict[str, str] | None = None
+    store: bool | None = None  # kept for previous_response_id and GET (jaxserve.server.response_store)
     # Accepted and echoed; they change nothing here (module docstring).
-    store: bool | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -173,7 +174,7 @@ def refuse_unhonoured(req: ResponsesRequest) -> None:
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _ITEM_WHY = {
-    "item_reference": "nothing is stored to refer to",
+    "item_reference": "items are not referred to by id here; continue a stored response with previous_response_id",
     "reasoning": "the served model is not served with --reasoning-parser",
 }
 
@@ -195,8 +196,8 @@ def chat_messages(req: ResponsesRequest, reasons: bool = False,
     own = input_items(req)
     out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     thought: list[str] = []
-    named = [(f"previous_response_id ({req.previous_response_id}) item {i}", item)
-             for i, item in enumerate(previous or [])] + [(f"input[{i}]", item) for i, item in enumerate(own)]
+    named = [(f"previous_response_id[{i}]", item) for i, item in enumerate(previous or [])]
+    named += [(f"input[{i}]", item) for i, item in enumerate(own)]
     for where, item in named:
         kind = item.get("type") if isinstance(item, dict) else None
         if reasons and kind == "reasoning":
@@ -331,6 +332,7 @@ class Reply:
         # Kept once finished: asked to be (store, OpenAI's default) on a server that stores.
         self.stored = state.responses is not None and req.store is not False
         self.cancelled = False  # a background response cancelled (POST /v1/responses/{id}/cancel)
+        self.deleted = False  # deleted while it ran: not stored again
 
     def add(self, delta: RequestOutput) -> list[tuple[Any, ...]]:
         """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
@@ -348,7 +350,7 @@ class Reply:
             if o.finish_reason is not None:
                 finish = self.finish_reason = o.finish_reason
                 self.completed_at = int(time.time())
-                if o.finish_reason not in ("stop", "length"):  # aborted, or cut by --request-timeout
+                if o.finish_reason not in ("stop", "length") and not self.cancelled:  # aborted, or timed out
                     self.fail(f"generation ended early: {o.stop_reason or o.finish_reason}")
         parts = self.split.delta(text, finish)
         steps: list[tuple[Any, ...]] = []
@@ -570,11 +572,11 @@ async def responses(state: ServerState) -> Response:
     previous = None
     if req.previous_response_id is not None:
         previous = state.responses.get(req.previous_response_id) if state.responses is not None else None
-        if previous is None:
-            raise ApiError(404, f"previous_response_id: no stored response {req.previous_response_id!r} (responses "
+        if previous is None:  # OpenAI's code, on which clients fall back to sending the whole conversation
+            raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r} (responses "
                            f"are kept in memory, the last {_store_size(state)}, and only with store: true)",
-                           "previous_response_id")
-        if previous.body["status"] == "in_progress":
+                           "previous_response_id", code="previous_response_not_found")
+        if previous.status == "in_progress":
             raise ApiError(400, f"previous_response_id: {req.previous_response_id!r} is still in progress; continue "
                            "it once it has finished", "previous_response_id")
     tools = responses_tools.chat_tools(req.tools)
@@ -590,10 +592,12 @@ async def responses(state: ServerState) -> Response:
     await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)
     reply = Reply(state, req, len(prompt), fmt, plan)
     own = input_items(req)
+    own_listed = with_ids(own)  # once: their ids stay the same however often the response is stored
 
     def keep() -> None:
-        if reply.stored and state.responses is not None:
-            state.responses.put(StoredResponse(reply.body(), with_ids(own), [*earlier, *own, *reply.output()]))
+        if reply.stored and not reply.deleted and state.responses is not None:
+            conversation = [*earlier, *own, *_continuable(reply.output())]
+            state.responses.put(StoredResponse.of(reply.body(), own_listed, conversation))
 
     if req.background:
         if not reply.stored:
@@ -611,8 +615,24 @@ async def responses(state: ServerState) -> Response:
     return jsonify(reply.body())
 
 
-# Background responses running now, by id (for cancel): their flight and their Reply.
-_running: dict[str, tuple[Flight, Reply]] = {}
+def _continuable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the next request's input: without logprobs (nothing reads
+    them there, and they are most of a response's bytes), and without a function call cut off
+    before its arguments were whole (no output could answer it; the text it was cut from stays)."""
+    out = []
+    for item in output:
+        if item["type"] == "message":
+            item = {**item, "content": [{k: v for k, v in part.items() if k != "logprobs"}
+                                        for part in item["content"]]}
+        elif item["type"] == "function_call":
+            try:
+                whole = isinstance(json.loads(item["arguments"]), dict)
+            except ValueError:
+                whole = False
+            if not whole:
+                continue
+        out.append(item)
+    return out
 
 
 async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int], params: SamplingParams,
@@ -626,41 +646,31 @@ async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int]
         try:
             async with state.admit() as flight:
                 await submit(flight, reply.id, prompt, params)
-                _running[reply.id] = (flight, reply)
+                state.background[reply.id] = (flight, reply)
                 keep()
-                admitted.set_result(None)
+                if not admitted.done():
+                    admitted.set_result(None)
                 (result,) = await flight.collect()
             reply.add(result)
+        except asyncio.CancelledError:  # the event loop is closing: stored as it stands
+            reply.fail("the server shut down before the response finished")
+            keep()
+            raise
         except Exception as e:  # noqa: BLE001 -- refused before it started: this request's answer
             if not admitted.done():
                 admitted.set_exception(e)
                 return
             reply.fail(error_event(e, "openai")["error"]["message"])
         finally:
-            _running.pop(reply.id, None)
+            state.background.pop(reply.id, None)
         keep()
 
     # A context of its own: the flight must not end with this exchange (end_flights_with_exchanges).
-    asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    # The task is held until it ends (the event loop keeps only a weak reference).
+    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    state.background_tasks.add(task)
+    task.add_done_callback(state.background_tasks.discard)
     await admitted
-
-
-async def cancel_response(state: ServerState, response_id: str) -> Response:
-    """Cancel a background response still running (OpenAI's `responses.cancel`): its generation
-    stops, and it is stored as it stands, status "cancelled"."""
-    running = _running.get(response_id)
-    if running is None:
-        _stored(state, response_id)  # 404 for an unknown id
-        raise ApiError(400, f"response_id: {response_id!r} is not a background response in progress; only those "
-                       "can be cancelled", "response_id")
-    flight, reply = running
-    reply.cancelled = True
-    flight.release()  # aborts its engine request: the generation ends at the next step
-    for _ in range(200):  # the task stores the cancelled response as its generation ends
-        if response_id not in _running:
-            break
-        await asyncio.sleep(0.01)
-    return jsonify(reply.body())
 
 
 def _store_size(state: ServerState) -> int:
@@ -675,15 +685,52 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 
 
 async def get_response(state: ServerState, response_id: str) -> Response:
-    """A stored response (OpenAI's `responses.retrieve`)."""
+    """A stored response (OpenAI's `responses.retrieve`). Its query options (a stream resumed
+    from an event, `include`) are not served: refused, naming them."""
+    for name in ("stream", "starting_after", "include", "include[]"):
+        if name in request.args:
+            raise ApiError(400, f"{name.removesuffix('[]')}: a stored response is returned whole, as it was answered "
+                           "(no stream to resume, nothing more to include)", name.removesuffix("[]"))
     return jsonify(_stored(state, response_id).body)
 
 
 async def delete_response(state: ServerState, response_id: str) -> Response:
-    """Forget a stored response (OpenAI's `responses.delete`)."""
+    """Forget a stored response (OpenAI's `responses.delete`); a background one still running
+    stops, and is not stored again when it ends."""
     _stored(state, response_id)
+    running = state.background.get(response_id)
+    if running is not None:
+        flight, reply = running
+        reply.deleted = True
+        _cancel(flight, reply)
     state.responses.delete(response_id)  # type: ignore[union-attr]  # _stored found the store
     return jsonify({"id": response_id, "object": "response", "deleted": True})
+
+
+def _cancel(flight: Flight, reply: Reply) -> None:
+    if reply.finish_reason is None:  # (one that has finished keeps its status)
+        reply.cancelled = True
+        flight.release()  # aborts its engine request: the generation ends at the next step
+
+
+async def cancel_response(state: ServerState, response_id: str) -> Response:
+    """Cancel a background response still running (OpenAI's `responses.cancel`): its generation
+    stops and it is stored as it stands, status "cancelled". Cancelling one already cancelled
+    answers it again; one that finished otherwise, or was not a background response, is a 400."""
+    running = state.background.get(response_id)
+    if running is None:
+        found = _stored(state, response_id)  # 404 for an unknown id
+        if found.status == "cancelled":
+            return jsonify(found.body)
+        raise ApiError(400, f"response_id: {response_id!r} is not a background response in progress; only those "
+                       "can be cancelled", "response_id")
+    flight, reply = running
+    _cancel(flight, reply)
+    for _ in range(500):  # the task stores the response as its generation ends (at the next step)
+        if response_id not in state.background:
+            break
+        await asyncio.sleep(0.01)
+    return jsonify(reply.body())
 
 
 async def list_input_items(state: ServerState, response_id: str) -> Response:

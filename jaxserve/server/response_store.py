@@ -3,48 +3,82 @@ clients can read or delete them (`GET` / `DELETE /v1/responses/{id}`, `.../input
 OpenAI's Responses API stores them when `store` is true (its default).
 
 Bounded: the least recently used response is forgotten beyond `max_entries` (--max-stored-
-responses); nothing is written to disk, and a restart forgets everything. A response continued
-from holds the whole conversation up to it, so continuing needs nothing older. Host bookkeeping
-only.
+responses) or beyond `max_bytes` of stored JSON (a response with top-20 logprobs on thousands of
+tokens is megabytes); each is kept as JSON text, so the bytes counted are the bytes held. Nothing
+is written to disk, and a restart forgets everything. A response continued from holds the whole
+conversation up to it, so continuing needs nothing older. Host bookkeeping only.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 import uuid
 from typing import Any
 
-# Each holds its whole conversation, up to --max-model-len tokens of text: a few hundred KiB at most.
 DEFAULT_MAX_STORED_RESPONSES = 1024
+DEFAULT_MAX_STORED_BYTES = 512 << 20  # of JSON text, all responses together
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
-    body: dict[str, Any]  # the Response object, as it was returned when it finished
-    input_items: list[dict[str, Any]]  # this request's own input, as items with ids
-    # The conversation through this response, as Responses input items (the responses it continued,
-    # this one's input, then its output), which a request continuing it puts before its own input.
-    conversation: list[dict[str, Any]]
+    """One response, held as JSON text (`stored`) and read back as objects."""
+
+    id: str
+    status: str
+    text: bytes  # JSON of [body, input_items, conversation]
+
+    @classmethod
+    def of(cls, body: dict[str, Any], input_items: list[dict[str, Any]],
+           conversation: list[dict[str, Any]]) -> StoredResponse:
+        """body: the Response object as returned; input_items: this request's own input, as items
+        with ids; conversation: the conversation through this response as Responses input items
+        (the responses it continued, this one's input, then its output), which a request
+        continuing it puts before its own input."""
+        return cls(body["id"], body["status"], json.dumps([body, input_items, conversation]).encode())
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.text)[0]
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        return json.loads(self.text)[1]
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        return json.loads(self.text)[2]
 
 
 class ResponseStore:
     """A bounded LRU of finished responses by id; safe to use from any thread."""
 
-    def __init__(self, max_entries: int):
-        if max_entries < 1:
-            raise ValueError(f"a response store holds at least one response, got {max_entries}")
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int, max_bytes: int = DEFAULT_MAX_STORED_BYTES):
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError(f"a response store holds at least one response and one byte, got {max_entries} "
+                             f"and {max_bytes}")
+        self.max_entries, self.max_bytes = max_entries, max_bytes
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: StoredResponse) -> None:
+    def put(self, response: StoredResponse) -> bool:
+        """Keep `response` (replacing an earlier version of it), forgetting the least recently
+        used beyond the bounds; False (and nothing kept) when it alone is over max_bytes."""
         with self._lock:
-            self._entries[response.body["id"]] = response
-            self._entries.move_to_end(response.body["id"])
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            old = self._entries.pop(response.id, None)
+            if old is not None:
+                self._bytes -= len(old.text)
+            if len(response.text) > self.max_bytes:
+                return False
+            self._entries[response.id] = response
+            self._bytes += len(response.text)
+            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= len(dropped.text)
+            return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -55,7 +89,14 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(response_id, None) is not None
+            dropped = self._entries.pop(response_id, None)
+            if dropped is not None:
+                self._bytes -= len(dropped.text)
+            return dropped is not None
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,8 +110,9 @@ def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content")
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            parts = [{"type": part, "text": content}] if isinstance(content, str) else list(content or [])
+            part = ({"type": "output_text", "annotations": []} if item.get("role") == "assistant"
+                    else {"type": "input_text"})
+            parts = [{**part, "text": content}] if isinstance(content, str) else list(content or [])
             item = {"type": "message", "role": item.get("role"), "content": parts, "status": "completed",
                     "id": item.get("id") or f"msg_{uuid.uuid4().hex}"}
         elif "id" not in item:

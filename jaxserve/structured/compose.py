@@ -29,7 +29,9 @@ from jaxserve.structured.spec import GuideError, GuideSpec
 THINK_START, THINK_END = "<think>", "</think>"
 # After </think>, Qwen3 writes a blank line; a bound keeps a sampled model from padding forever.
 _SEPARATOR = "/(\\r?\\n){0,2}/"
-_FREE_TEXT = ("ANSWER_TEXT: ", "TOOL_TEXT: ")  # the free-text terminals an answer may start with
+# The free-text terminals an answer may start with (a structural tag's outside its tags are
+# ANSWER_TEXT_<n>; jaxserve.structured.structural_tags).
+_FREE_TEXT = ("ANSWER_TEXT: ", "TOOL_TEXT: ", "ANSWER_TEXT_")
 _NOT_THINKING = " & ~/[ \\t\\r\\n]*<think>(?s:.*)/"
 
 

@@ -338,7 +338,9 @@ class _Writer:
             regex = f"/{_ANY}(?:{ends})/ & ~/{_ANY}(?:{ends})(?s:.+)/"
             if banned:
                 regex += f" & ~/{_ANY}(?:{banned}){_ANY}(?:{ends})/"
-        return self._terminal(regex, "text")
+        # Free text outside any tag is named *_TEXT_<n> (compose keeps a reasoning model's answer
+        # text from opening a think block); inside a tag, *_TAGTEXT_<n>.
+        return self._terminal(regex, "text" if follow == _EOS else "tagtext")
 
     def _triggered(self, node: dict[str, Any], follow: Any, where: str) -> tuple[str, bool]:
         """Free text; where a trigger is written (a lazy lexeme ending at it), one of the tags whose
@@ -354,7 +356,7 @@ class _Writer:
         ends = [] if follow == _EOS else follow
         head_text = self._terminal(f"/{_ANY}/ & ~/{_ANY}(?:"
                                    + "|".join(regex_literal(s) for s in [*node["excludes"], *triggers, *ends])
-                                   + f"){_ANY}/", "text")
+                                   + f"){_ANY}/", "text" if follow == _EOS else "tagtext")
         parts = []
         for i, trigger in enumerate(triggers):
             bodies = [self._tag(t, t["begin"][len(trigger):], f"{where}.tags[{k}]")

@@ -162,9 +162,12 @@ def test_stored_responses_continue_read_and_delete(client):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:  # OpenAI's code, on which clients resend everything
         client.responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
-    assert caught.value.body["param"] == "previous_response_id"
+    assert caught.value.param == "previous_response_id" and caught.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.retrieve(second.id, stream=True)  # no stream to resume here
+    assert caught.value.param == "stream"
     # The second holds the whole conversation, so it still continues with the first gone.
     third = client.responses.create(model=MODEL, input="One more?", previous_response_id=second.id,
                                     max_output_tokens=4, temperature=0)
@@ -198,8 +201,16 @@ def test_background_responses_are_polled_and_cancelled(client):
     long = client.responses.create(model=MODEL, input="Count from 1 to 500, one number per line.",
                                    max_output_tokens=400, temperature=0, background=True)
     cancelled = client.responses.cancel(long.id)
-    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 400
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 400 and cancelled.error is None
     assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"  # again: the same answer
+    # Deleted while it runs: it stops, and is not stored again when it ends.
+    doomed = client.responses.create(model=MODEL, input="Count from 1 to 500, one number per line.",
+                                     max_output_tokens=400, temperature=0, background=True)
+    client.responses.delete(doomed.id)
+    time.sleep(0.5)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)
 
 
 @pytest.mark.slow
@@ -294,3 +305,15 @@ def test_accepted_hints_and_a_failure_mid_stream():
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and "device lost" in failed["error"]["message"]
     assert failed["output"][0]["content"][0]["text"] == "Hi" and failed["parallel_tool_calls"] is False
+
+
+def test_a_stored_output_is_continued_without_logprobs_or_a_cut_off_call():
+    from jaxserve.server.openai_responses import _continuable
+
+    output = [{"type": "message", "role": "assistant",
+               "content": [{"type": "output_text", "text": "<tool_call>", "annotations": [], "logprobs": [{"x": 1}]}]},
+              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"city": "Pa'},
+              {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"city": "Rome"}'}]
+    kept = _continuable(output)
+    assert kept[0]["content"] == [{"type": "output_text", "text": "<tool_call>", "annotations": []}]
+    assert [i.get("call_id") for i in kept] == [None, "c2"]

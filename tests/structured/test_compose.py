@@ -325,6 +325,18 @@ def test_structural_tag_formats_bind_as_xgrammar_says(compiler, smollm2_tokenize
     assert walk(compiler, smollm2_tokenizer, spec, text) == (allowed, accepting)
 
 
+def test_a_reasoning_answer_may_not_open_a_think_block_outside_a_tag(compiler, smollm2_tokenizer):
+    """Under a reasoning model that may open its own think block, a structural tag's free text
+    outside its tags cannot start with <think> (that would be a second, unconstrained reading of
+    the block); inside a tag it may."""
+    fmt = {"type": "sequence", "elements": [_const("A:"), _tag("<r>", {"type": "any_text"}, "</r>")]}
+    spec = C.compose(S.structural_tag({"format": fmt}, "rf"), C.Reasoning(opened=False, may_open=True), "rf")
+    assert walk(compiler, smollm2_tokenizer, spec, "<think>hm</think>A:<r><think>x</r>") == (True, True)
+    free = C.compose(S.structural_tag({"format": CALLS}, "rf"), C.Reasoning(opened=False, may_open=True), "rf")
+    assert walk(compiler, smollm2_tokenizer, free, "<think>hm</think>plain") == (True, True)
+    assert walk(compiler, smollm2_tokenizer, free, "<think>never closed") == (True, False)
+
+
 def test_the_first_form_is_a_triggered_tags_format():
     first = S.structural_tag(TAG, "response_format")
     tags = [_tag(s["begin"], {"type": "json_schema", "json_schema": s["schema"]}, [s["end"]])
