@@ -151,6 +151,18 @@ async def serve_async(app: Quart, host: str, port: int, shutdown_timeout: float,
         begin_drain(state, shutdown_timeout)
 
     await hypercorn_serve(app, hypercorn_config(host, port, shutdown_timeout), shutdown_trigger=trigger)
+    await finish_background(state, shutdown_timeout)
+
+
+async def finish_background(state: Any, shutdown_timeout: float) -> None:
+    """Hypercorn waits for open connections only: background Responses (which outlive theirs)
+    get the same grace here, before the event loop would cancel them. The drain's own timer
+    aborts what still runs at shutdown_timeout, so this ends by then. (A classification
+    server's state has none.)"""
+    tasks = list(getattr(state, "background_tasks", ()))
+    if tasks:
+        log.info("finishing %d background response(s)", len(tasks))
+        await asyncio.wait(tasks, timeout=shutdown_timeout + 5)
 
 
 def begin_drain(state: ServerState, shutdown_timeout: float) -> None:

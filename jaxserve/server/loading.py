@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 from hypercorn.asyncio import serve as hypercorn_serve
 from quart import Quart
 
-from jaxserve.server.app import begin_drain, hypercorn_config, state_of
+from jaxserve.server.app import begin_drain, finish_background, hypercorn_config, state_of
 from jaxserve.server.cors import CorsPolicy, is_preflight
 from jaxserve.server.errors import BODIES, ApiError, protocol_of
 
@@ -133,6 +133,7 @@ def serve_while_loading(load: Callable[[], Quart], host: str, port: int, shutdow
             log.info("serving %s on http://%s:%d", state_of(app).model_name, host, port)
         await server
         if gate.app is not None:
+            await finish_background(state_of(gate.app), shutdown_timeout)
             await gate.app.shutdown()
         if failed:
             raise failed[0]

@@ -286,3 +286,27 @@ def test_the_loading_gate_answers_preflights_and_its_503s_carry_the_cors_headers
     # No policy (cors=None): no headers and an OPTIONS is just another 503.
     status, headers, _ = call(LoadingGate(None), "OPTIONS", "/v1/completions", preflight)
     assert status == 503 and "access-control-allow-origin" not in headers
+
+
+def test_background_responses_get_the_shutdown_grace():
+    """Hypercorn waits for connections only; a background response (which outlives its own) is
+    waited for before the event loop would cancel it, within the shutdown timeout."""
+    from jaxserve.server.app import finish_background, state_of
+
+    async def go() -> tuple[list[int], float]:
+        import time
+
+        state = state_of(create_app(FailingEngine(), FakeTokenizer(), "fake", 100))  # type: ignore[arg-type]
+        done: list[int] = []
+
+        async def work(delay: float) -> None:
+            await asyncio.sleep(delay)
+            done.append(1)
+
+        state.background_tasks.update({asyncio.create_task(work(0.2)), asyncio.create_task(work(60))})
+        start = time.monotonic()
+        await finish_background(state, shutdown_timeout=0.5)  # the drain's timer aborts what runs on
+        return done, time.monotonic() - start
+
+    done, waited = asyncio.run(go())
+    assert done == [1] and 0.2 <= waited < 10
