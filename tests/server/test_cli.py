@@ -194,7 +194,7 @@ def test_generation_config_flags_are_read_before_the_model_loads(tmp_path):
     from jaxserve.startup import start_engine
 
     check_pooling_flags(config)  # the pooling server's check: nothing set away from its default
-    with pytest.raises(ValueError, match="top_p 2 is not a value it can take.*--generation-config vllm serves"):
+    with pytest.raises(ValueError, match="top_p 2 is not a value it can take.*--generation-config vllm, or LLM"):
         start_engine(config)
     assert config_from_args(parse_args(["--model", str(model), "--generation-config", "vllm"])
                             ).model.generation_config_error is None
