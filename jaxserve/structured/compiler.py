@@ -272,13 +272,8 @@ class GrammarCompiler:
 
     def _ll_lark(self, spec: GuideSpec) -> str:
         import llguidance
-        from llguidance.gbnf_to_lark import any_to_lark
 
-        try:  # GBNF (llama.cpp, SGLang's ebnf) is translated; Lark passes through
-            text = any_to_lark(spec.text)
-        except Exception as e:
-            raise GuideError(spec.param, f"invalid grammar: {' '.join(str(e).split())}") from None
-        return llguidance.LLMatcher.grammar_from_lark(text)
+        return llguidance.LLMatcher.grammar_from_lark(specs.as_lark(spec.text, spec.param))
 
     def _llguidance(self, grammar: str, spec: GuideSpec) -> Grammar:
         import llguidance

@@ -93,12 +93,7 @@ def _rule(name: str, spec: GuideSpec) -> tuple[list[str], list[dict[str, Any]]]:
     if spec.kind == "regex":
         return [f"{name}: {terminal}", f"{terminal}: /" + structural_tags.slashes_escaped(spec.text) + "/"], []
     if spec.kind == "grammar":
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        try:
-            user = any_to_lark(spec.text)
-        except Exception as e:
-            raise GuideError(spec.param, f"invalid grammar: {' '.join(str(e).split())}") from None
+        user = specs.as_lark(spec.text, spec.param)
         return [f"{name}: @user_grammar"], [{"name": "user_grammar", "lark_grammar": user}]
     raise GuideError(spec.param, f"{spec.kind} cannot be composed with a think block or tool calls")
 

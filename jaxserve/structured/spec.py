@@ -125,6 +125,17 @@ def structural_tag(value: Any, param: str) -> GuideSpec:
     return GuideSpec("structural_tag", json.dumps(structural_tags.check(value, param)), param)
 
 
+def as_lark(grammar: str, param: str) -> str:
+    """A user's grammar as Lark for llguidance: GBNF (llama.cpp's, SGLang's ebnf) translated, Lark
+    passed through; GuideError naming `param` when it is neither."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as e:
+        raise GuideError(param, f"invalid grammar: {' '.join(str(e).split())}") from None
+
+
 def _loaded(value: Any, param: str, what: str) -> Any:
     """A constraint given as an object, or as JSON text (SGLang sends its schemas and tags so)."""
     if not isinstance(value, str):

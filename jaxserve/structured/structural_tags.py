@@ -259,14 +259,10 @@ class _Writer:
         if kind == "regex":
             return self._terminal("/" + slashes_escaped(node["pattern"]) + "/", "re"), False
         if kind == "grammar":
-            from llguidance.gbnf_to_lark import any_to_lark
+            from jaxserve.structured.spec import as_lark
 
-            try:
-                text = any_to_lark(node["grammar"])
-            except Exception as e:
-                raise GuideError(f"{where}.grammar", f"invalid grammar: {' '.join(str(e).split())}") from None
             grammar = self._fresh("grammar")
-            self.side.append({"name": grammar, "lark_grammar": text})
+            self.side.append({"name": grammar, "lark_grammar": as_lark(node["grammar"], f"{where}.grammar")})
             return f"@{grammar}", False
         if kind == "any_text":
             return self._text(node["excludes"], [], follow, where, "any_text"), follow != _EOS
@@ -310,7 +306,7 @@ class _Writer:
         took it, the others get it appended, and the whole took it."""
         if not isinstance(follow, list) or not any(took for _, took in alternatives):
             return "(" + " | ".join(e for e, _ in alternatives) + ")", False
-        end = "(" + " | ".join(json.dumps(e) for e in follow) + ")"
+        end = _one_of(follow)
         return "(" + " | ".join(e if took else f"{e} {end}".strip() for e, took in alternatives) + ")", True
 
     def _tag(self, tag: dict[str, Any], begin: str, where: str) -> str:
@@ -320,7 +316,7 @@ class _Writer:
         parts = [json.dumps(begin)] if begin else []
         parts.append(content)
         if ends and not took:
-            parts.append("(" + " | ".join(json.dumps(e) for e in ends) + ")")
+            parts.append(_one_of(ends))
         return self._rule(" ".join(parts), "tag")
 
     def _text(self, excludes: list[str], triggers: list[str], follow: Any, where: str, what: str) -> str:
@@ -366,13 +362,18 @@ class _Writer:
                 self.lines.append(f"{head}[lazy]: {head_text} {json.dumps(trigger)}")
                 parts.append(f"{head} ({' | '.join(bodies)})")
         part = "(" + " | ".join(parts) + ")"
-        end = "" if follow == _EOS else " (" + " | ".join(json.dumps(e) for e in follow) + ")"
+        end = "" if follow == _EOS else " " + _one_of(follow)
         if first_only:
             return f"({tail} | {part}{end})", follow != _EOS
         if required:
             first = "(" + " | ".join(self._tag(t, t["begin"], f"{where}.tags[{i}]") for i, t in enumerate(tags)) + ")"
             return f"{first} {part}* {tail}", follow != _EOS
         return f"{part}* {tail}", follow != _EOS
+
+
+def _one_of(strings: list[str]) -> str:
+    """Lark: any one of these literal strings."""
+    return "(" + " | ".join(json.dumps(s) for s in strings) + ")"
 
 
 def regex_literal(text: str) -> str:
