@@ -20,11 +20,14 @@ one (its input and output come before the request's own input; its `instructions
 over, as in OpenAI's), and `GET` / `DELETE /v1/responses/{id}` and `GET .../input_items` read and
 forget them. With `store: false`, or --max-stored-responses 0, nothing is kept. `background: true`
 (stored responses only) answers once the request is admitted, status "in_progress", and the
-generation runs on: `GET` polls it, `POST /v1/responses/{id}/cancel` stops it ("cancelled"). What
-needs more than that is refused with a 400 naming it: `conversation` (the Conversations API),
-`prompt` (stored prompt templates), a streamed background response, and `item_reference` input
-items. Refused too, as they
-would otherwise be ignored: hosted tools (web
+generation runs on: `GET` polls it, `POST /v1/responses/{id}/cancel` stops it ("cancelled", and
+a stream of it ends without a closing event: OpenAI's have none for that). With `stream: true`
+too, its events are streamed as they happen and kept (jaxserve.server.event_log): the generation
+goes on if the connection drops, and `GET /v1/responses/{id}?stream=true&starting_after=N`
+resumes after event N, while it runs and after it has finished. What needs more than that is
+refused with a 400 naming it: `conversation` (the Conversations API), `prompt` (stored prompt
+templates) and `item_reference` input items. Refused too, as they would otherwise be ignored:
+hosted tools (web
 search, file search, MCP, ...), input items other than messages, function calls and their outputs
 (and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
 (the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
@@ -53,6 +56,7 @@ import asyncio
 import contextvars
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -67,6 +71,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.server import accepted_fields, answers, reasoning, responses_tools, sampling, sse
 from jaxserve.server.accepted_fields import KnownFields
 from jaxserve.server.errors import ApiError, error_event
+from jaxserve.server.event_log import EventLog
 from jaxserve.server.generation import Flight, ServerState
 from jaxserve.server.openai import chat_logprobs, draft_counts, parse, prediction_details
 from jaxserve.server.response_store import StoredResponse, page, with_ids
@@ -145,8 +150,6 @@ def _obfuscation(r: ResponsesRequest) -> bool:
 _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
     ("conversation", lambda r: r.conversation is not None, _NO_CONVERSATIONS),
     ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not available; send instructions"),
-    ("background", lambda r: bool(r.background) and bool(r.stream), "a background response is not streamed here; "
-     "poll it with GET /v1/responses/{id}, or stream without background"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
      "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
     ("text.verbosity", lambda r: r.text is not None and r.text.verbosity not in (None, "medium"),
@@ -387,6 +390,13 @@ class Reply:
         self.order.append(key)
         return ("open", key)
 
+    def close_cancelled(self) -> list[tuple[Any, ...]]:
+        """The steps that close the items a cancelled response left open: its engine stream ends
+        when it is released, without a last delta to close them."""
+        if not self.cancelled or self.finish_reason is not None:
+            return []
+        return self._answering() + [("close", key) for key in self.order if key != "reasoning"]
+
     def _answering(self) -> list[tuple[Any, ...]]:
         """The think block is over once the answer starts: its item closes first."""
         if "reasoning" in self.order and not self.reasoning_closed:
@@ -552,6 +562,9 @@ async def _events(reply: Reply, flight: Flight, keep: Callable[[], None]) -> Asy
             for step in reply.add(delta):
                 for e in events(step):
                     yield e
+        for step in reply.close_cancelled():
+            for e in events(step):
+                yield e
     except Exception as e:  # noqa: BLE001 -- any failure after the headers ends the stream as an event
         error = error_event(e, "openai")["error"]
         reply.fail(error["message"])
@@ -560,7 +573,9 @@ async def _events(reply: Reply, flight: Flight, keep: Callable[[], None]) -> Asy
         yield event("response.failed", response=reply.body())
         return
     keep()
-    yield event(_LAST_EVENT[reply.status], response=reply.body())
+    last = _LAST_EVENT.get(reply.status)
+    if last is not None:  # a cancelled background response: OpenAI's events have no closing one for it
+        yield event(last, response=reply.body())
 
 
 async def responses(state: ServerState) -> Response:
@@ -594,17 +609,18 @@ async def responses(state: ServerState) -> Response:
     own = input_items(req)
     own_listed = with_ids(own)  # once: their ids stay the same however often the response is stored
 
-    def keep() -> None:
+    def keep(events: tuple[bytes, ...] = ()) -> None:
         if reply.stored and not reply.deleted and state.responses is not None:
             conversation = [*earlier, *own, *_continuable(reply.output())]
-            state.responses.put(StoredResponse.of(reply.body(), own_listed, conversation))
+            state.responses.put(StoredResponse.of(reply.body(), own_listed, conversation, events))
 
     if req.background:
         if not reply.stored:
             raise ApiError(400, "background: a background response is polled from the store; it needs store true "
                            "(and a server started with --max-stored-responses above 0)", "background")
-        await _run_in_background(state, reply, prompt, params, keep)
-        return jsonify(reply.body())
+        log = EventLog() if req.stream else None
+        await _run_in_background(state, reply, prompt, params, keep, log)
+        return jsonify(reply.body()) if log is None else sse.sse_response(log.follow())
     async with state.admit() as flight:
         await submit(flight, reply.id, prompt, params)
         if req.stream:
@@ -636,25 +652,36 @@ def _continuable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int], params: SamplingParams,
-                             keep: Callable[[], None]) -> None:
+                             keep: Callable[..., None], log: EventLog | None) -> None:
     """Admit and submit now (a full server or a refused request answers this request), then let
     the generation run on in a task of its own, outliving this HTTP exchange; it stores the
-    response as it starts and again when it ends (GET /v1/responses/{id} polls it)."""
+    response as it starts and again when it ends (GET /v1/responses/{id} polls it). log: a
+    streamed one's events go there as they happen (its readers follow the log, and a reader that
+    goes away stops nothing), and are stored with the finished response."""
     admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
+    def events() -> tuple[bytes, ...]:
+        return tuple(log.events) if log is not None else ()
+
     async def run() -> None:
+        result = None
         try:
             async with state.admit() as flight:
                 await submit(flight, reply.id, prompt, params)
-                state.background[reply.id] = (flight, reply)
+                state.background[reply.id] = (flight, reply, log)
                 keep()
                 if not admitted.done():
                     admitted.set_result(None)
-                (result,) = await flight.collect()
-            reply.add(result)
+                if log is None:
+                    (result,) = await flight.collect()
+                else:  # the stream's own failures end it as events (error, response.failed)
+                    async for event in _events(reply, flight, keep):
+                        log.append(event)
+            if result is not None:
+                reply.add(result)
         except asyncio.CancelledError:  # the event loop is closing: stored as it stands
             reply.fail("the server shut down before the response finished")
-            keep()
+            keep(events())
             raise
         except Exception as e:  # noqa: BLE001 -- refused before it started: this request's answer
             if not admitted.done():
@@ -663,7 +690,9 @@ async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int]
             reply.fail(error_event(e, "openai")["error"]["message"])
         finally:
             state.background.pop(reply.id, None)
-        keep()
+            if log is not None:
+                log.close()
+        keep(events())
 
     # A context of its own: the flight must not end with this exchange (end_flights_with_exchanges).
     # The task is held until it ends (the event loop keeps only a weak reference).
@@ -685,13 +714,42 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 
 
 async def get_response(state: ServerState, response_id: str) -> Response:
-    """A stored response (OpenAI's `responses.retrieve`). Its query options (a stream resumed
-    from an event, `include`) are not served: refused, naming them."""
-    for name in ("stream", "starting_after", "include", "include[]"):
-        if name in request.args:
-            raise ApiError(400, f"{name.removesuffix('[]')}: a stored response is returned whole, as it was answered "
-                           "(no stream to resume, nothing more to include)", name.removesuffix("[]"))
-    return jsonify(_stored(state, response_id).body)
+    """A stored response (OpenAI's `responses.retrieve`), or with `stream=true` the events of a
+    streamed background response after `starting_after` (all of them without it): those so far,
+    then each as it happens while it runs. `include` is refused (nothing more to include)."""
+    args = request.args
+    for name in ("include", "include[]"):
+        if name in args:
+            raise ApiError(400, "include: a stored response is returned as it was answered, with nothing more to "
+                           "include", "include")
+    stream = args.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise ApiError(400, f"stream: must be true or false, got {args.get('stream')!r}", "stream")
+    if stream == "false":
+        if "starting_after" in args:
+            raise ApiError(400, "starting_after: only with stream=true (it resumes a stream)", "starting_after")
+        return jsonify(_stored(state, response_id).body)
+    found = _stored(state, response_id)
+    running = state.background.get(response_id)
+    log = running[2] if running is not None else None
+    events = log.events if log is not None else found.events
+    if not events:
+        raise ApiError(400, f"stream: {response_id!r} was not a streamed background response, so it has no events "
+                       "to stream again (created with background and stream true, it would); GET it without "
+                       "stream", "stream")
+    text = args.get("starting_after", "-1")
+    after = int(text) if re.fullmatch(r"-?[0-9]{1,9}", text) else len(events)
+    if not -1 <= after < len(events):
+        raise ApiError(400, f"starting_after: must be the sequence_number of an event sent so far, from 0 to "
+                       f"{len(events) - 1}, got {text!r}", "starting_after")
+    if log is not None:
+        return sse.sse_response(log.follow(after))
+    return sse.sse_response(_replay(found.events[after + 1:]))
+
+
+async def _replay(events: tuple[bytes, ...]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
 async def delete_response(state: ServerState, response_id: str) -> Response:
@@ -700,7 +758,7 @@ async def delete_response(state: ServerState, response_id: str) -> Response:
     _stored(state, response_id)
     running = state.background.get(response_id)
     if running is not None:
-        flight, reply = running
+        flight, reply, _ = running
         reply.deleted = True
         _cancel(flight, reply)
     state.responses.delete(response_id)  # type: ignore[union-attr]  # _stored found the store
@@ -724,7 +782,7 @@ async def cancel_response(state: ServerState, response_id: str) -> Response:
             return jsonify(found.body)
         raise ApiError(400, f"response_id: {response_id!r} is not a background response in progress; only those "
                        "can be cancelled", "response_id")
-    flight, reply = running
+    flight, reply, _ = running
     _cancel(flight, reply)
     for _ in range(500):  # the task stores the response as its generation ends (at the next step)
         if response_id not in state.background:

@@ -4,7 +4,8 @@ OpenAI's Responses API stores them when `store` is true (its default).
 
 Bounded: the least recently used response is forgotten beyond `max_entries` (--max-stored-
 responses) or beyond `max_bytes` of stored JSON (a response with top-20 logprobs on thousands of
-tokens is megabytes); each is kept as JSON text, so the bytes counted are the bytes held. Nothing
+tokens is megabytes); each is kept as JSON text (a streamed background response with its events),
+so the bytes counted are the bytes held. Nothing
 is written to disk, and a restart forgets everything. A response continued from holds the whole
 conversation up to it, so continuing needs nothing older. Host bookkeeping only.
 """
@@ -29,15 +30,23 @@ class StoredResponse:
     id: str
     status: str
     text: bytes  # JSON of [body, input_items, conversation]
+    # A streamed background response's SSE events, numbered by position, for a reader resuming
+    # its stream (GET .../{id}?stream=true); none for any other response.
+    events: tuple[bytes, ...] = ()
 
     @classmethod
-    def of(cls, body: dict[str, Any], input_items: list[dict[str, Any]],
-           conversation: list[dict[str, Any]]) -> StoredResponse:
+    def of(cls, body: dict[str, Any], input_items: list[dict[str, Any]], conversation: list[dict[str, Any]],
+           events: tuple[bytes, ...] = ()) -> StoredResponse:
         """body: the Response object as returned; input_items: this request's own input, as items
         with ids; conversation: the conversation through this response as Responses input items
         (the responses it continued, this one's input, then its output), which a request
-        continuing it puts before its own input."""
-        return cls(body["id"], body["status"], json.dumps([body, input_items, conversation]).encode())
+        continuing it puts before its own input; events: see the field."""
+        return cls(body["id"], body["status"], json.dumps([body, input_items, conversation]).encode(), events)
+
+    @property
+    def size(self) -> int:
+        """The bytes it holds."""
+        return len(self.text) + sum(len(e) for e in self.events)
 
     @property
     def body(self) -> dict[str, Any]:
@@ -70,14 +79,14 @@ class ResponseStore:
         with self._lock:
             old = self._entries.pop(response.id, None)
             if old is not None:
-                self._bytes -= len(old.text)
-            if len(response.text) > self.max_bytes:
+                self._bytes -= old.size
+            if response.size > self.max_bytes:
                 return False
             self._entries[response.id] = response
-            self._bytes += len(response.text)
+            self._bytes += response.size
             while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
                 _, dropped = self._entries.popitem(last=False)
-                self._bytes -= len(dropped.text)
+                self._bytes -= dropped.size
             return True
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -91,7 +100,7 @@ class ResponseStore:
         with self._lock:
             dropped = self._entries.pop(response_id, None)
             if dropped is not None:
-                self._bytes -= len(dropped.text)
+                self._bytes -= dropped.size
             return dropped is not None
 
     @property

@@ -214,6 +214,47 @@ def test_background_responses_are_polled_and_cancelled(client):
 
 
 @pytest.mark.slow
+def test_a_streamed_background_response_is_resumed_after_any_event(client):
+    """background + stream: the events of a foreground stream, numbered from 0; a reader that
+    drops the connection stops nothing and resumes after the last event it read, while the
+    response runs and once it has finished; a cancelled one's stream ends without a closing event."""
+    args = dict(model=MODEL, input=QUESTION, max_output_tokens=20, temperature=0)
+    foreground = list(client.responses.create(**args, stream=True))
+    stream = client.responses.create(**args, stream=True, background=True)
+    read = iter(stream)
+    first = [next(read) for _ in range(3)]
+    stream.close()  # the connection drops after three events
+    resumed = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
+    events = first + resumed
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events] == [e.type for e in foreground]
+    final = events[-1].response
+    assert final.background is True and final.output_text == foreground[-1].response.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    # Finished: the whole stream again, from the start or after any event.
+    again = list(client.responses.retrieve(final.id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    assert [e.sequence_number for e in client.responses.retrieve(final.id, stream=True,
+                                                                 starting_after=len(events) - 2)] == [len(events) - 1]
+    for bad in (len(events), -2):  # (the last event's own number is fine: nothing follows it)
+        with pytest.raises(openai.BadRequestError) as caught:
+            list(client.responses.retrieve(final.id, stream=True, starting_after=bad))
+        assert caught.value.param == "starting_after"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.retrieve(final.id, starting_after=3)  # without stream
+    assert caught.value.param == "starting_after"
+    # Cancelled while it streams: the items close, and no closing lifecycle event follows.
+    long = client.responses.create(model=MODEL, input="Count from 1 to 500, one number per line.",
+                                   max_output_tokens=400, temperature=0, background=True, stream=True)
+    events = iter(long)
+    started = [next(events) for _ in range(6)]
+    client.responses.cancel(started[0].response.id)
+    rest = list(events)
+    assert rest and rest[-1].type == "response.output_item.done" and rest[-1].item.status == "incomplete"
+    assert client.responses.retrieve(started[0].response.id).status == "cancelled"
+
+
+@pytest.mark.slow
 def test_a_stored_function_call_is_answered_by_its_output(client):
     """The function_call a stored response made is what a function_call_output continuing it answers."""
     tools = [{"type": "function", "name": "get_weather", "parameters": {
@@ -254,7 +295,7 @@ def _post(body: dict) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"background": True, "stream": True}, "background"),
+    ({"background": True, "stream": True, "store": False}, "background"),  # nowhere to resume it from
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tool_choice": "required"}, "tools"),  # forcing a call needs tools

@@ -1,10 +1,13 @@
 """The Responses API's in-memory store (jaxserve.server.response_store): bounded LRU, and
-OpenAI's input_items pages."""
+OpenAI's input_items pages; a streamed background response's event log (jaxserve.server.event_log)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from jaxserve.server.event_log import EventLog
 from jaxserve.server.response_store import ResponseStore, StoredResponse, page, with_ids
 
 
@@ -35,6 +38,44 @@ def test_the_store_is_bounded_in_bytes_too():
     assert store.get("resp_4").body["text"] == "x" * 1000 and store.get("resp_4").conversation == [
         {"content": "x" * 1000}]
     assert store.delete("resp_4") and store.num_bytes == 2 * one
+    # A streamed background response's events count too.
+    events = (b"x" * 500, b"y" * 500)
+    streamed = StoredResponse.of(_stored(5).body, [], [], events)
+    assert store.put(streamed) and store.get("resp_5").events == events
+    assert streamed.size == len(streamed.text) + 1000 and store.num_bytes == 2 * one + streamed.size
+
+
+def test_an_event_log_is_followed_live_and_resumed_after_any_event():
+    async def go() -> tuple[list[list[bytes]], list[bytes], list[bytes]]:
+        log = EventLog()
+        seen: list[list[bytes]] = [[], []]
+
+        async def read(k: int, after: int = -1) -> None:
+            async for event in log.follow(after):
+                seen[k].append(event)
+
+        readers = [asyncio.create_task(read(0)), asyncio.create_task(read(1, after=0))]
+        log.append(b"e0")
+        await asyncio.sleep(0)
+        log.append(b"e1")  # two appends before the readers run again: neither is missed
+        log.append(b"e2")
+        await asyncio.sleep(0.01)
+        late = [e async for e in _until_closed(log, after=1)]  # a reader resuming after event 1
+        await asyncio.gather(*readers)
+        finished = [e async for e in log.follow(2)]  # after the last event of a closed log: nothing
+        return seen, late, finished
+
+    async def _until_closed(log: EventLog, after: int):
+        asyncio.get_running_loop().call_later(0.01, log.close)
+        async for e in log.follow(after):
+            yield e
+
+    seen, late, finished = asyncio.run(go())
+    assert seen == [[b"e0", b"e1", b"e2"], [b"e1", b"e2"]] and late == [b"e2"] and finished == []
+    closed = EventLog()
+    closed.close()
+    with pytest.raises(RuntimeError):
+        closed.append(b"late")
 
 
 def test_input_items_are_listed_as_openai_pages_them():
