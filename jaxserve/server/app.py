@@ -24,6 +24,7 @@ from jaxserve.server.base_app import (
     check_limits,
 )
 from jaxserve.generation_config import describe
+from jaxserve.server.conversation_store import ConversationStore
 from jaxserve.server.cors import CorsPolicy
 from jaxserve.server.generation import ServerState, end_flights_with_exchanges
 from jaxserve.server.metrics import Metrics
@@ -70,6 +71,7 @@ def create_app(
         images=images, sampling_defaults=dict(sampling_defaults or {}),
         return_tokens_as_token_ids=return_tokens_as_token_ids,
         responses=ResponseStore(max_stored_responses) if max_stored_responses > 0 else None,
+        conversations=ConversationStore(max_stored_responses) if max_stored_responses > 0 else None,
     )
     if state.sampling_defaults:  # as vLLM says it: a surprise otherwise, when answers differ from another server's
         log.info("requests that leave them unset sample with the model's generation_config.json: %s (start with "

@@ -26,6 +26,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.embeds import EmbedSpan, ImageItem
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import SamplingParams
+from jaxserve.server.conversation_store import ConversationStore
 from jaxserve.server.errors import ApiError
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.model_names import ModelNames
@@ -58,6 +59,7 @@ class ServerState:
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs show "token_id:N"
     responses: ResponseStore | None = None  # stored Responses-API responses (--max-stored-responses; None: 0)
+    conversations: ConversationStore | None = None  # the Conversations API's (the same bound; None: 0)
     # Background Responses-API responses running now, by id: (their Flight, their Reply), and the
     # tasks running them (held: the event loop keeps only weak references).
     background: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)

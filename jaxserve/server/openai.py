@@ -611,6 +611,7 @@ async def detokenize(state: ServerState) -> Response:
 
 
 def register(app: Quart, state: ServerState) -> None:
+    from jaxserve.server import conversations
     from jaxserve.server.openai_chat import chat_completions
     from jaxserve.server.openai_responses import (
         ResponsesRequest,
@@ -629,6 +630,7 @@ def register(app: Quart, state: ServerState) -> None:
     route(app, state, "/v1/responses/<response_id>", delete_response, "DELETE")
     route(app, state, "/v1/responses/<response_id>/input_items", list_input_items, "GET")
     route(app, state, "/v1/responses/<response_id>/cancel", cancel_response, "POST")
+    conversations.register(app, state)
     for prefix in ("/v1", "/v3"):  # OVMS lists its models under /v3 too
         route(app, state, f"{prefix}/models", models, "GET")
         route(app, state, f"{prefix}/models/<path:name>", model, "GET")  # names may hold "/" (org/model)

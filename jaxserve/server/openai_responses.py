@@ -24,11 +24,13 @@ generation runs on: `GET` polls it, `POST /v1/responses/{id}/cancel` stops it ("
 a stream of it ends without a closing event: OpenAI's have none for that). With `stream: true`
 too, its events are streamed as they happen and kept (jaxserve.server.event_log): the generation
 goes on if the connection drops, and `GET /v1/responses/{id}?stream=true&starting_after=N`
-resumes after event N, while it runs and after it has finished. What needs more than that is
-refused with a 400 naming it: `conversation` (the Conversations API), `prompt` (stored prompt
-templates) and `item_reference` input items. Refused too, as they would otherwise be ignored:
-hosted tools (web
-search, file search, MCP, ...), input items other than messages, function calls and their outputs
+resumes after event N, while it runs and after it has finished. `conversation` (an id from the
+Conversations API, jaxserve.server.conversations) puts the conversation's items before the input
+and adds the input and output to it once the response has completed or reached
+max_output_tokens; it cannot be combined with `previous_response_id`. What needs more than that is
+refused with a 400 naming it: `prompt` (stored prompt templates) and `item_reference` input
+items. Refused too, as they would otherwise be ignored: hosted tools (web search, file search,
+MCP, ...), input items other than messages, function calls and their outputs
 (and reasoning under a reasoning parser), image/file/audio parts, `reasoning` asking for effort or summaries
 (the amount of thinking is the model's own), `text.verbosity` other than "medium", `truncation: "auto"` (an
 input that does not fit is refused, never cut), a `service_tier` other than "auto"/"default",
@@ -68,13 +70,14 @@ from quart import Response, jsonify, request
 from jaxserve.engine.output import RequestOutput
 from jaxserve.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.server import accepted_fields, answers, reasoning, responses_tools, sampling, sse
+from jaxserve.server import accepted_fields, answers, conversations, reasoning, responses_tools, sampling, sse
 from jaxserve.server.accepted_fields import KnownFields
+from jaxserve.server.conversation_store import Conversation
 from jaxserve.server.errors import ApiError, error_event
 from jaxserve.server.event_log import EventLog
 from jaxserve.server.generation import Flight, ServerState
 from jaxserve.server.openai import chat_logprobs, draft_counts, parse, prediction_details
-from jaxserve.server.response_store import StoredResponse, page, with_ids
+from jaxserve.server.response_store import StoredResponse, with_ids
 from jaxserve.server.tools import forced_tools, function_schemas
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
@@ -133,10 +136,6 @@ class ResponsesRequest(_Forbid):
     prompt: Any = None
 
 
-_NO_CONVERSATIONS = ("the Conversations API is not served here; continue a stored response with previous_response_id "
-                     "or send the whole conversation as input")
-
-
 def _bad_metadata(r: ResponsesRequest) -> bool:
     pairs = r.metadata or {}
     return len(pairs) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in pairs.items())
@@ -148,7 +147,6 @@ def _obfuscation(r: ResponsesRequest) -> bool:
 
 # (parameter, is it set to something we cannot honour, why): validation as data.
 _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
-    ("conversation", lambda r: r.conversation is not None, _NO_CONVERSATIONS),
     ("prompt", lambda r: r.prompt is not None, "stored prompt templates are not available; send instructions"),
     ("reasoning", lambda r: any(v not in (None, "none") for v in (r.reasoning or {}).values()),
      "neither the amount of reasoning nor summaries can be asked for; only effort 'none' (or null) is accepted"),
@@ -191,16 +189,23 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
 
 
-def chat_messages(req: ResponsesRequest, reasons: bool = False,
-                  previous: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+def chat_messages(req: ResponsesRequest, reasons: bool = False, previous: list[dict[str, Any]] | None = None,
+                  previous_name: str = "previous_response_id") -> list[dict[str, str]]:
     """The conversation as the chat template takes it, `instructions` first as a system message,
-    then `previous` (a stored response's conversation) and the request's input; with a reasoning
-    model, reasoning items go to the next assistant message."""
-    own = input_items(req)
-    out = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    then `previous` (a stored response's conversation, or a conversation's items: errors name them
+    `previous_name[i]`) and the request's input; with a reasoning model, reasoning items go to the
+    next assistant message."""
+    named = [(f"{previous_name}[{i}]", item) for i, item in enumerate(previous or [])]
+    named += [(f"input[{i}]", item) for i, item in enumerate(input_items(req))]
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    return system + items_to_chat(named, reasons)
+
+
+def items_to_chat(named: list[tuple[str, Any]], reasons: bool) -> list[dict[str, str]]:
+    """Responses items, each with the name its errors give it (400s), as chat messages; a function
+    call's output must answer a call made before it."""
+    out: list[dict[str, str]] = []
     thought: list[str] = []
-    named = [(f"previous_response_id[{i}]", item) for i, item in enumerate(previous or [])]
-    named += [(f"input[{i}]", item) for i, item in enumerate(own)]
     for where, item in named:
         kind = item.get("type") if isinstance(item, dict) else None
         if reasons and kind == "reasoning":
@@ -257,9 +262,10 @@ def _part_text(part: Any, where: str) -> str:
 
 
 def prompt_ids(state: ServerState, req: ResponsesRequest, tools: list[dict[str, Any]] | None = None,
-               previous: list[dict[str, Any]] | None = None) -> list[int]:
+               previous: list[dict[str, Any]] | None = None, previous_name: str = "previous_response_id") -> list[int]:
     try:
-        return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None, previous),
+        return state.tokenizer.encode_chat(chat_messages(req, state.reasoning_parser is not None, previous,
+                                                         previous_name),
                                            add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:
         raise ApiError(400, f"chat template: {e}", "input") from e
@@ -336,6 +342,8 @@ class Reply:
         self.stored = state.responses is not None and req.store is not False
         self.cancelled = False  # a background response cancelled (POST /v1/responses/{id}/cancel)
         self.deleted = False  # deleted while it ran: not stored again
+        self.conversation_id: str | None = None  # the conversation it reads and extends (`conversation`)
+        self.added = False  # its items have gone to that conversation
 
     def add(self, delta: RequestOutput) -> list[tuple[Any, ...]]:
         """Take one engine delta; what it changed, in order: ("open", key), ("reasoning", text),
@@ -481,6 +489,7 @@ class Reply:
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "conversation": {"id": self.conversation_id} if self.conversation_id is not None else None,
             "reasoning": req.reasoning or {"effort": None, "summary": None}, "service_tier": "default",
             "store": self.stored, "background": bool(req.background),
             "temperature": req.temperature if req.temperature is not None else 1.0,
@@ -599,20 +608,28 @@ async def responses(state: ServerState) -> Response:
     tools_on = bool(tools) and choice != "none"
     schemas = function_schemas(tools) if tools else {}
     forced = forced_tools(tools, choice, req.parallel_tool_calls)
-    earlier = previous.conversation if previous is not None else []
-    prompt = prompt_ids(state, req, tools if tools_on else None, earlier)
+    conversation = _conversation(state, req)
+    earlier = previous.conversation if previous is not None else conversation.items if conversation else []
+    prompt = prompt_ids(state, req, tools if tools_on else None, earlier,
+                        "conversation" if conversation is not None else "previous_response_id")
     params = sampling_params(req, state.sampling_defaults)
     fmt, spec = text_format(req)
     plan = answers.plan(state, prompt, forced, tools_on and forced is None, schemas)
     await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)
     reply = Reply(state, req, len(prompt), fmt, plan)
+    reply.conversation_id = conversation.id if conversation is not None else None
     own = input_items(req)
     own_listed = with_ids(own)  # once: their ids stay the same however often the response is stored
 
     def keep(events: tuple[bytes, ...] = ()) -> None:
+        # A conversation gets the exchange once the response has an answer (completed, or cut at
+        # max_output_tokens); a failed or cancelled one adds nothing, so it can be asked again.
+        if conversation is not None and not reply.added and reply.status in ("completed", "incomplete"):
+            reply.added = True
+            conversations.store_of(state).add_items(conversation.id, [*own_listed, *_continuable(reply.output())])
         if reply.stored and not reply.deleted and state.responses is not None:
-            conversation = [*earlier, *own, *_continuable(reply.output())]
-            state.responses.put(StoredResponse.of(reply.body(), own_listed, conversation, events))
+            history = [*earlier, *own, *_continuable(reply.output())]
+            state.responses.put(StoredResponse.of(reply.body(), own_listed, history, events))
 
     if req.background:
         if not reply.stored:
@@ -629,6 +646,19 @@ async def responses(state: ServerState) -> Response:
     reply.add(result)
     keep()
     return jsonify(reply.body())
+
+
+def _conversation(state: ServerState, req: ResponsesRequest) -> Conversation | None:
+    """The conversation the request names (`conversation`: its id, or an object with it)."""
+    if req.conversation is None:
+        return None
+    named = req.conversation.get("id") if isinstance(req.conversation, dict) else req.conversation
+    if not isinstance(named, str) or (isinstance(req.conversation, dict) and set(req.conversation) != {"id"}):
+        raise ApiError(400, "conversation: expected a conversation id, or an object with just its id", "conversation")
+    if req.previous_response_id is not None:
+        raise ApiError(400, "conversation: cannot be used with previous_response_id (the conversation holds the "
+                       "earlier turns)", "conversation")
+    return conversations.conversation_of(state, named, "conversation")
 
 
 def _continuable(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -794,18 +824,5 @@ async def cancel_response(state: ServerState, response_id: str) -> Response:
 async def list_input_items(state: ServerState, response_id: str) -> Response:
     """A stored response's own input items (OpenAI's `responses.input_items.list`): `order` "desc"
     (OpenAI's default) or "asc", `limit` 1-100 (20), `after` an item id."""
-    found = _stored(state, response_id)
-    args = request.args
-    order = args.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order!r}", "order")
-    try:
-        limit = int(args.get("limit", 20))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit: must be an integer from 1 to 100, got {args.get('limit')!r}", "limit")
-    try:
-        return jsonify(page(found.input_items, order, limit, args.get("after")))
-    except KeyError:
-        raise ApiError(400, f"after: no input item {args.get('after')!r} in this response", "after") from None
+    return jsonify(conversations.page_from_query(_stored(state, response_id).input_items, "input item",
+                                                 "this response"))

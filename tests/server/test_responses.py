@@ -255,6 +255,52 @@ def test_a_streamed_background_response_is_resumed_after_any_event(client):
 
 
 @pytest.mark.slow
+def test_a_conversation_is_read_before_the_input_and_extended_by_each_response(client):
+    """The Conversations API: a response with `conversation` answers as the whole conversation sent
+    at once (the same greedy tokens), and its input and output join the conversation's items."""
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Name a colour."},
+                                              {"type": "message", "role": "assistant", "content": "Blue."}],
+                                       metadata={"topic": "colours"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "colours"}
+    first = client.responses.create(model=MODEL, input="And another one?", conversation=conv.id,
+                                    max_output_tokens=8, temperature=0)
+    whole = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+             {"role": "user", "content": "And another one?"}]
+    assert first.output_text == _chat(client, whole, 8).choices[0].message.content
+    assert first.conversation.id == conv.id
+    second = client.responses.create(model=MODEL, input="One more?", conversation={"id": conv.id},
+                                     max_output_tokens=6, temperature=0)
+    whole += [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "One more?"}]
+    assert second.output_text == _chat(client, whole, 6).choices[0].message.content
+    items = client.conversations.items.list(conv.id, order="asc")
+    texts = [(i.role, i.content[0].text) for i in items.data]
+    assert texts == [(m["role"], m["content"]) for m in whole] + [("assistant", second.output_text)]
+    assert items.data[-1].id == second.output[0].id and not items.has_more
+    # Items: read one, delete one (the conversation answers), add some, page through them.
+    assert client.conversations.items.retrieve(items.data[0].id, conversation_id=conv.id).content[0].text == \
+        "Name a colour."
+    client.conversations.items.delete(items.data[0].id, conversation_id=conv.id)
+    added = client.conversations.items.create(conv.id, items=[{"role": "user", "content": "Thanks."}])
+    assert [i.content[0].text for i in added.data] == ["Thanks."]
+    newest = client.conversations.items.list(conv.id, limit=2)  # OpenAI's default order: newest first
+    assert [i.content[0].text for i in newest.data] == ["Thanks.", second.output_text] and newest.has_more
+    assert client.conversations.update(conv.id, metadata={"topic": "paint"}).metadata == {"topic": "paint"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="x", conversation=conv.id, previous_response_id=first.id,
+                                max_output_tokens=2)
+    assert caught.value.param == "conversation"
+    with pytest.raises(openai.BadRequestError) as caught:  # a function call's output answers an earlier call
+        client.conversations.items.create(conv.id, items=[{"type": "function_call_output", "call_id": "c1",
+                                                           "output": "4"}])
+    assert caught.value.param == "items[0].call_id"
+    assert client.conversations.delete(conv.id).deleted
+    for call in (lambda: client.conversations.retrieve(conv.id),
+                 lambda: client.responses.create(model=MODEL, input="x", conversation=conv.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+
+
+@pytest.mark.slow
 def test_a_stored_function_call_is_answered_by_its_output(client):
     """The function_call a stored response made is what a function_call_output continuing it answers."""
     tools = [{"type": "function", "name": "get_weather", "parameters": {
@@ -296,7 +342,7 @@ def _post(body: dict) -> tuple[int, bytes]:
 
 @pytest.mark.parametrize("extra, param", [
     ({"background": True, "stream": True, "store": False}, "background"),  # nowhere to resume it from
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": {"id": "conv_1", "name": "x"}}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tool_choice": "required"}, "tools"),  # forcing a call needs tools
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
@@ -358,3 +404,42 @@ def test_a_stored_output_is_continued_without_logprobs_or_a_cut_off_call():
     kept = _continuable(output)
     assert kept[0]["content"] == [{"type": "output_text", "text": "<tool_call>", "annotations": []}]
     assert [i.get("call_id") for i in kept] == [None, "c2"]
+
+
+def test_conversation_routes_refuse_what_they_cannot_keep():
+    """The Conversations API on the model-free app: each bad input is a 4xx naming the parameter."""
+    async def go(app) -> list[tuple[int, str | None]]:
+        c = app.test_client()
+        conv = await (await c.post("/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]})).get_json()
+        calls = [
+            c.post("/v1/conversations", json={"items": [{"role": "user", "content": "x"}] * 21}),
+            c.post("/v1/conversations", json={"items": [{"type": "computer_call_output"}]}),
+            c.post("/v1/conversations", json={"metadata": {f"k{i}": "v" for i in range(17)}}),
+            c.post("/v1/conversations", json={"title": "x"}),
+            c.post(f"/v1/conversations/{conv['id']}", json={}),  # update: metadata is required
+            c.get("/v1/conversations/conv_nope"),
+            c.get(f"/v1/conversations/{conv['id']}/items?limit=0"),
+            c.get(f"/v1/conversations/{conv['id']}/items?after=msg_nope"),
+            c.get(f"/v1/conversations/{conv['id']}/items?include=message.output_text.logprobs"),
+            c.get(f"/v1/conversations/{conv['id']}/items/msg_nope"),
+            c.delete(f"/v1/conversations/{conv['id']}/items/msg_nope"),
+            c.post("/v1/responses", json={"input": "x", "conversation": "conv_nope"}),
+        ]
+        out = []
+        for call in calls:
+            response = await call
+            out.append((response.status_code, (await response.get_json())["error"]["param"]))
+        return out
+
+    app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100)  # type: ignore[arg-type]
+    assert asyncio.run(go(app)) == [
+        (400, "items"), (400, "items[0].type"), (400, "metadata"), (400, "title"), (400, "metadata"),
+        (404, "conversation_id"), (400, "limit"), (400, "after"), (400, "include"), (404, "item_id"),
+        (404, "item_id"), (404, "conversation")]
+    unkept = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, max_stored_responses=0)  # type: ignore[arg-type]
+
+    async def refused() -> tuple[int, str]:
+        response = await unkept.test_client().post("/v1/conversations", json={})
+        return response.status_code, (await response.get_json())["error"]["param"]
+
+    assert asyncio.run(refused()) == (400, "conversation")

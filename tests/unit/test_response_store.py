@@ -4,6 +4,7 @@ OpenAI's input_items pages; a streamed background response's event log (jaxserve
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -93,3 +94,31 @@ def test_input_items_are_listed_as_openai_pages_them():
     assert page(items, "asc", 20, None)["data"] == items
     with pytest.raises(KeyError):
         page(items, "asc", 20, "msg_nope")
+
+
+def test_conversations_are_bounded_and_readers_get_copies():
+    from jaxserve.server.conversation_store import ConversationStore
+
+    def items(*texts: str) -> list[dict]:
+        return [{"id": f"msg_{t}", "type": "message", "content": t} for t in texts]
+
+    store = ConversationStore(2)
+    a = store.create(items("a1"), {"k": "v"})
+    b = store.create([], {})
+    assert store.add_items(a.id, items("a2")) and [i["id"] for i in store.get(a.id).items] == ["msg_a1", "msg_a2"]
+    assert a.items == items("a1")  # what a reader got does not change as the conversation grows
+    store.get(a.id)  # used: b is now the oldest
+    c = store.create(items("c1"), {})
+    assert store.get(b.id) is None and store.get(c.id) is not None and len(store) == 2
+    assert store.delete_item(a.id, "msg_a1").items == items("a2") and store.delete_item(a.id, "msg_a1") is None
+    assert store.set_metadata(a.id, {"k": "w"}).body()["metadata"] == {"k": "w"}
+    assert store.delete(a.id) and not store.add_items(a.id, items("x")) and store.get(a.id) is None
+    one = len(json.dumps(items("x" * 100)[0]))
+    small = ConversationStore(10, max_bytes=3 * one)
+    first, second = small.create(items("x" * 100), {}), small.create(items("y" * 100), {})
+    assert small.add_items(second.id, items("z" * 100)) and small.num_bytes == 3 * one
+    assert small.add_items(second.id, items("w" * 100, "u" * 100)) is False  # it alone would be over the bound
+    small.create(items("v" * 100), {})  # the least recently used goes
+    assert small.get(first.id) is None and small.num_bytes == 3 * one
+    with pytest.raises(ValueError):
+        small.create(items("a" * 400), {})
