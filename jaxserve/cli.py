@@ -318,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
                    help="the Responses API keeps the last N responses asked to be stored (store: true, OpenAI's "
                         "default) in memory, for previous_response_id and GET/DELETE /v1/responses/{id}, and the "
-                        "Conversations API the last N conversations; 0 keeps none (and serves no conversations). "
-                        "A restart forgets them")
+                        "Conversations API the last N conversations (each store also within 512 MiB of JSON); 0 "
+                        "keeps none (and serves no conversations). A restart forgets them")
     s.add_argument("--max-concurrent-requests", type=int, default=1024, help="requests in flight at once; "
                    "more get 429 at once (no unbounded queue)")
     s.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest request body; larger -> 413")

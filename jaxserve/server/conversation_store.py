@@ -20,17 +20,15 @@ from typing import Any
 DEFAULT_MAX_CONVERSATION_BYTES = 512 << 20  # of item JSON, all conversations together
 
 
-def _size(items: list[dict[str, Any]]) -> int:
-    return sum(len(json.dumps(item)) for item in items)
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Conversation:
+    """A conversation as read from the store (a copy: the store holds each item as JSON text, so
+    the bytes it counts are the bytes it holds)."""
+
     id: str
     created_at: int
     metadata: dict[str, str]
-    items: list[dict[str, Any]]  # oldest first, each with an id
-    size: int = 0  # bytes of item JSON
+    items: list[dict[str, Any]]  # oldest first, each with an id of its own
 
     def body(self) -> dict[str, Any]:
         """The Conversation object OpenAI's API returns."""
@@ -40,30 +38,49 @@ class Conversation:
         return next((item for item in self.items if item["id"] == item_id), None)
 
 
+@dataclasses.dataclass
+class _Entry:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[tuple[str, bytes]]  # (id, JSON)
+
+    @property
+    def size(self) -> int:
+        return sum(len(text) for _, text in self.items)
+
+    def read(self) -> Conversation:
+        return Conversation(self.id, self.created_at, dict(self.metadata), [json.loads(t) for _, t in self.items])
+
+
+def _encoded(items: list[dict[str, Any]]) -> list[tuple[str, bytes]]:
+    return [(item["id"], json.dumps(item).encode()) for item in items]
+
+
 class ConversationStore:
-    """A bounded LRU of conversations by id; safe to use from any thread. Readers get copies of
-    the item lists, so a conversation that grows while a response reads it changes nothing there."""
+    """A bounded LRU of conversations by id; safe to use from any thread. Items must carry ids
+    unique within their conversation (the routes check them)."""
 
     def __init__(self, max_entries: int, max_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES):
         if max_entries < 1 or max_bytes < 1:
             raise ValueError(f"a conversation store holds at least one conversation and one byte, got "
                              f"{max_entries} and {max_bytes}")
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: collections.OrderedDict[str, Conversation] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> Conversation:
-        """A new conversation holding `items` (with ids); ValueError when they alone are over max_bytes."""
-        size = _size(items)
-        if size > self.max_bytes:
-            raise ValueError(f"the items take {size} bytes, more than the {self.max_bytes} kept for conversations")
-        conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), dict(metadata), list(items), size)
+        """A new conversation holding `items`; ValueError when they alone are over max_bytes."""
+        entry = _Entry(f"conv_{uuid.uuid4().hex}", int(time.time()), dict(metadata), _encoded(items))
+        if entry.size > self.max_bytes:
+            raise ValueError(f"the items take {entry.size} bytes, more than the {self.max_bytes} kept for "
+                             "conversations")
         with self._lock:
-            self._entries[conversation.id] = conversation
-            self._bytes += size
-            self._evict(keep=conversation.id)
-        return self._copy(conversation)
+            self._entries[entry.id] = entry
+            self._bytes += entry.size
+            self._evict(keep=entry.id)
+            return entry.read()
 
     def get(self, conversation_id: str) -> Conversation | None:
         with self._lock:
@@ -71,18 +88,18 @@ class ConversationStore:
             if found is None:
                 return None
             self._entries.move_to_end(conversation_id)
-            return self._copy(found)
+            return found.read()
 
     def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
-        """Append `items` (with ids); False when the conversation is gone (deleted or forgotten)
-        or would be over max_bytes on its own."""
-        size = _size(items)
+        """Append `items`; False when the conversation is gone (deleted or forgotten) or would be
+        over max_bytes on its own."""
+        encoded = _encoded(items)
+        size = sum(len(text) for _, text in encoded)
         with self._lock:
             found = self._entries.get(conversation_id)
             if found is None or found.size + size > self.max_bytes:
                 return False
-            found.items = [*found.items, *items]
-            found.size += size
+            found.items += encoded
             self._bytes += size
             self._entries.move_to_end(conversation_id)
             self._evict(keep=conversation_id)
@@ -92,14 +109,12 @@ class ConversationStore:
         """The conversation without that item; None when either is unknown."""
         with self._lock:
             found = self._entries.get(conversation_id)
-            item = found.item(item_id) if found is not None else None
-            if found is None or item is None:
+            if found is None or all(i != item_id for i, _ in found.items):
                 return None
-            found.items = [i for i in found.items if i["id"] != item_id]
-            size = _size([item])
-            found.size -= size
-            self._bytes -= size
-            return self._copy(found)
+            before = found.size
+            found.items = [(i, text) for i, text in found.items if i != item_id]
+            self._bytes -= before - found.size
+            return found.read()
 
     def set_metadata(self, conversation_id: str, metadata: dict[str, str]) -> Conversation | None:
         with self._lock:
@@ -107,7 +122,7 @@ class ConversationStore:
             if found is None:
                 return None
             found.metadata = dict(metadata)
-            return self._copy(found)
+            return found.read()
 
     def delete(self, conversation_id: str) -> bool:
         with self._lock:
@@ -122,12 +137,7 @@ class ConversationStore:
             if oldest == keep:  # (it alone fits max_bytes, so something else goes first)
                 self._entries.move_to_end(keep)
                 oldest = next(iter(self._entries))
-            dropped = self._entries.pop(oldest)
-            self._bytes -= dropped.size
-
-    @staticmethod
-    def _copy(c: Conversation) -> Conversation:
-        return dataclasses.replace(c, metadata=dict(c.metadata), items=list(c.items))
+            self._bytes -= self._entries.pop(oldest).size
 
     @property
     def num_bytes(self) -> int:

@@ -7,8 +7,14 @@ output items to it (jaxserve.server.openai_responses).
 Items are the Responses API's input items and are checked as it checks them, in the context of
 the conversation before them (a function_call_output must answer a call made before it). Kept in
 memory (jaxserve.server.conversation_store), bounded by --max-stored-responses: with 0 there is
-no store, and every route answers 400. `include` (more fields on items) is refused: there is
-nothing more to include.
+no store, and every route answers 400. `include` (more fields on items) is refused: items are
+kept without logprobs.
+
+Item ids are unique within a conversation (a repeated id is refused: items are read and deleted
+by id), and a function call cannot be deleted while its output follows it (the output would
+answer nothing, and no response could read the conversation). Responses running at once on one
+conversation each read it as it was when they started, and add their exchanges in the order they
+finish.
 """
 
 from __future__ import annotations
@@ -76,7 +82,22 @@ def checked_items(state: ServerState, items: list[dict[str, Any]],
     named = [(f"conversation[{i}]", item) for i, item in enumerate(before)]
     named += [(f"items[{i}]", item) for i, item in enumerate(items)]
     items_to_chat(named, state.reasoning_parser is not None)
-    return with_ids(items)
+    return with_unique_ids(items, before, "items")
+
+
+def with_unique_ids(items: list[dict[str, Any]], before: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """`items` with ids (fresh where they have none), refusing an id that is not a string or that
+    an item before them (or among them) already has: items are read and deleted by id."""
+    listed = with_ids(items)
+    taken = {item["id"] for item in before}
+    for i, item in enumerate(listed):
+        if not isinstance(item["id"], str):
+            raise ApiError(400, f"{name}[{i}].id: must be a string, got {item['id']!r}", f"{name}[{i}].id")
+        if item["id"] in taken:
+            raise ApiError(400, f"{name}[{i}].id: the conversation already has an item {item['id']!r}; leave the "
+                           "id out (a fresh one is given) or send the item once", f"{name}[{i}].id")
+        taken.add(item["id"])
+    return listed
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -88,7 +109,8 @@ def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
 
 def _refuse_include() -> None:
     if "include" in request.args or "include[]" in request.args:
-        raise ApiError(400, "include: items are returned whole, with nothing more to include", "include")
+        raise ApiError(400, "include: items are returned as they are kept, which is without logprobs or anything "
+                       "more to include", "include")
 
 
 async def create(state: ServerState) -> Response:
@@ -167,7 +189,13 @@ async def retrieve_item(state: ServerState, conversation_id: str, item_id: str) 
 
 
 async def delete_item(state: ServerState, conversation_id: str, item_id: str) -> Response:
-    conversation_of(state, conversation_id)
+    found = conversation_of(state, conversation_id)
+    item = found.item(item_id) or {}
+    answer = next((i for i in found.items if item.get("type") == "function_call" and
+                   i.get("type") == "function_call_output" and i.get("call_id") == item.get("call_id")), None)
+    if answer is not None:  # left alone, the output would answer no call and the conversation could not be used
+        raise ApiError(400, f"item_id: {item_id!r} is a function call that {answer['id']!r} answers; delete the "
+                       "output first", "item_id")
     remaining = store_of(state).delete_item(conversation_id, item_id)
     if remaining is None:
         raise ApiError(404, f"item_id: no item {item_id!r} in conversation {conversation_id!r}", "item_id")

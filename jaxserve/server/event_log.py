@@ -5,6 +5,11 @@ them and a reader whose connection dropped can resume after the last event it sa
 The generation writes the log from a task of its own, so a reader that goes away stops nothing.
 Events are numbered from 0 in the order they were appended, which is their `sequence_number`.
 Host bookkeeping only; every method runs on the server's event loop.
+
+Memory: a running log holds every event so far, about 250 bytes a token (about 2 KB with 20 top
+logprobs), so it is bounded by its response's max_output_tokens, and the logs together by
+--max-concurrent-requests. Once the response finishes, its events are stored with it, within the
+response store's byte bound; a response whose events do not fit is stored without them.
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs show "token_id:N"
     responses: ResponseStore | None = None  # stored Responses-API responses (--max-stored-responses; None: 0)
     conversations: ConversationStore | None = None  # the Conversations API's (the same bound; None: 0)
-    # Background Responses-API responses running now, by id: (their Flight, their Reply), and the
-    # tasks running them (held: the event loop keeps only weak references).
-    background: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # Background Responses-API responses running now, by id: (their Flight, their Reply, their
+    # EventLog or None when not streamed), and the tasks running them (held: the event loop keeps
+    # only weak references).
+    background: dict[str, tuple[Any, Any, Any]] = dataclasses.field(default_factory=dict)
     background_tasks: set = dataclasses.field(default_factory=set)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0

@@ -58,6 +58,7 @@ import asyncio
 import contextvars
 import itertools
 import json
+import logging
 import re
 import time
 import uuid
@@ -82,6 +83,8 @@ from jaxserve.server.tools import forced_tools, function_schemas
 from jaxserve.structured import spec as guide
 from jaxserve.structured.spec import GuideSpec
 from jaxserve.tokenizer import ChatTemplateError
+
+logger = logging.getLogger("jaxserve.server")
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value we can fill
 
@@ -593,6 +596,9 @@ async def responses(state: ServerState) -> Response:
     req = await parse(ResponsesRequest)
     state.model_names.check(req.model)
     refuse_unhonoured(req)
+    if req.conversation is not None and req.previous_response_id is not None:
+        raise ApiError(400, "conversation: cannot be used with previous_response_id (the conversation holds the "
+                       "earlier turns)", "conversation")
     previous = None
     if req.previous_response_id is not None:
         previous = state.responses.get(req.previous_response_id) if state.responses is not None else None
@@ -619,17 +625,26 @@ async def responses(state: ServerState) -> Response:
     reply = Reply(state, req, len(prompt), fmt, plan)
     reply.conversation_id = conversation.id if conversation is not None else None
     own = input_items(req)
-    own_listed = with_ids(own)  # once: their ids stay the same however often the response is stored
+    # Once: their ids stay the same however often the response is stored. Ids new to the
+    # conversation, if there is one (it reads and deletes items by id).
+    own_listed = (with_ids(own) if conversation is None
+                  else conversations.with_unique_ids(own, conversation.items, "input"))
 
     def keep(events: tuple[bytes, ...] = ()) -> None:
         # A conversation gets the exchange once the response has an answer (completed, or cut at
         # max_output_tokens); a failed or cancelled one adds nothing, so it can be asked again.
         if conversation is not None and not reply.added and reply.status in ("completed", "incomplete"):
             reply.added = True
-            conversations.store_of(state).add_items(conversation.id, [*own_listed, *_continuable(reply.output())])
+            if not conversations.store_of(state).add_items(conversation.id,
+                                                           [*own_listed, *_continuable(reply.output())]):
+                logger.warning("response %s: conversation %s is gone (deleted, or forgotten for newer ones) or "
+                               "full; the exchange was not added to it", reply.id, conversation.id)
         if reply.stored and not reply.deleted and state.responses is not None:
             history = [*earlier, *own, *_continuable(reply.output())]
-            state.responses.put(StoredResponse.of(reply.body(), own_listed, history, events))
+            if not state.responses.put(StoredResponse.of(reply.body(), own_listed, history, events)) and events:
+                # Its events are most of its bytes: kept without them, it can still be read and
+                # continued, only not streamed again.
+                state.responses.put(StoredResponse.of(reply.body(), own_listed, history))
 
     if req.background:
         if not reply.stored:
@@ -655,9 +670,6 @@ def _conversation(state: ServerState, req: ResponsesRequest) -> Conversation | N
     named = req.conversation.get("id") if isinstance(req.conversation, dict) else req.conversation
     if not isinstance(named, str) or (isinstance(req.conversation, dict) and set(req.conversation) != {"id"}):
         raise ApiError(400, "conversation: expected a conversation id, or an object with just its id", "conversation")
-    if req.previous_response_id is not None:
-        raise ApiError(400, "conversation: cannot be used with previous_response_id (the conversation holds the "
-                       "earlier turns)", "conversation")
     return conversations.conversation_of(state, named, "conversation")
 
 
@@ -710,7 +722,8 @@ async def _run_in_background(state: ServerState, reply: Reply, prompt: list[int]
             if result is not None:
                 reply.add(result)
         except asyncio.CancelledError:  # the event loop is closing: stored as it stands
-            reply.fail("the server shut down before the response finished")
+            if reply.finish_reason is None:  # (one that has finished, and said so, stays as it is)
+                reply.fail("the server shut down before the response finished")
             keep(events())
             raise
         except Exception as e:  # noqa: BLE001 -- refused before it started: this request's answer
@@ -752,6 +765,9 @@ async def get_response(state: ServerState, response_id: str) -> Response:
         if name in args:
             raise ApiError(400, "include: a stored response is returned as it was answered, with nothing more to "
                            "include", "include")
+    if args.get("include_obfuscation", "false").lower() != "false":
+        raise ApiError(400, "include_obfuscation: no obfuscation padding is sent; set it to false",
+                       "include_obfuscation")
     stream = args.get("stream", "false").lower()
     if stream not in ("true", "false"):
         raise ApiError(400, f"stream: must be true or false, got {args.get('stream')!r}", "stream")
@@ -759,10 +775,10 @@ async def get_response(state: ServerState, response_id: str) -> Response:
         if "starting_after" in args:
             raise ApiError(400, "starting_after: only with stream=true (it resumes a stream)", "starting_after")
         return jsonify(_stored(state, response_id).body)
-    found = _stored(state, response_id)
     running = state.background.get(response_id)
     log = running[2] if running is not None else None
-    events = log.events if log is not None else found.events
+    # (A running one is read from its log even if newer responses have pushed it out of the store.)
+    events = log.events if log is not None else _stored(state, response_id).events
     if not events:
         raise ApiError(400, f"stream: {response_id!r} was not a streamed background response, so it has no events "
                        "to stream again (created with background and stream true, it would); GET it without "
@@ -774,7 +790,7 @@ async def get_response(state: ServerState, response_id: str) -> Response:
                        f"{len(events) - 1}, got {text!r}", "starting_after")
     if log is not None:
         return sse.sse_response(log.follow(after))
-    return sse.sse_response(_replay(found.events[after + 1:]))
+    return sse.sse_response(_replay(events[after + 1:]))
 
 
 async def _replay(events: tuple[bytes, ...]) -> AsyncIterator[bytes]:

@@ -411,6 +411,13 @@ def test_conversation_routes_refuse_what_they_cannot_keep():
     async def go(app) -> list[tuple[int, str | None]]:
         c = app.test_client()
         conv = await (await c.post("/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]})).get_json()
+        items = f"/v1/conversations/{conv['id']}/items"
+        first = (await (await c.get(items)).get_json())["data"][0]["id"]
+        tools = await (await c.post("/v1/conversations", json={"items": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "4"}]})).get_json()
+        call, answer = [i["id"] for i in (await (await c.get(f"/v1/conversations/{tools['id']}/items?order=asc"))
+                                          .get_json())["data"]]
         calls = [
             c.post("/v1/conversations", json={"items": [{"role": "user", "content": "x"}] * 21}),
             c.post("/v1/conversations", json={"items": [{"type": "computer_call_output"}]}),
@@ -424,18 +431,29 @@ def test_conversation_routes_refuse_what_they_cannot_keep():
             c.get(f"/v1/conversations/{conv['id']}/items/msg_nope"),
             c.delete(f"/v1/conversations/{conv['id']}/items/msg_nope"),
             c.post("/v1/responses", json={"input": "x", "conversation": "conv_nope"}),
+            c.post(items, json={"items": [{"role": "user", "content": "y", "id": "m1"},
+                                          {"role": "user", "content": "z", "id": "m1"}]}),
+            c.post(items, json={"items": [{"role": "user", "content": "y", "id": 7}]}),
+            c.post("/v1/responses", json={"input": [{"role": "user", "content": "y", "id": first}],
+                                          "conversation": conv["id"]}),  # already in the conversation
+            c.delete(f"/v1/conversations/{tools['id']}/items/{call}"),  # its output would answer nothing
+            c.post("/v1/responses", json={"input": "x", "conversation": conv["id"], "previous_response_id": "r"}),
         ]
         out = []
-        for call in calls:
-            response = await call
+        for request in calls:
+            response = await request
             out.append((response.status_code, (await response.get_json())["error"]["param"]))
+        # The output first, then its call: both go.
+        for item in (answer, call):
+            out.append(((await c.delete(f"/v1/conversations/{tools['id']}/items/{item}")).status_code, None))
         return out
 
     app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100)  # type: ignore[arg-type]
     assert asyncio.run(go(app)) == [
         (400, "items"), (400, "items[0].type"), (400, "metadata"), (400, "title"), (400, "metadata"),
         (404, "conversation_id"), (400, "limit"), (400, "after"), (400, "include"), (404, "item_id"),
-        (404, "item_id"), (404, "conversation")]
+        (404, "item_id"), (404, "conversation"), (400, "items[1].id"), (400, "items[0].id"), (400, "input[0].id"),
+        (400, "item_id"), (400, "conversation"), (200, None), (200, None)]
     unkept = create_app(FailingEngine(), FakeTokenizer(), "fake", 100, max_stored_responses=0)  # type: ignore[arg-type]
 
     async def refused() -> tuple[int, str]:
@@ -443,3 +461,39 @@ def test_conversation_routes_refuse_what_they_cannot_keep():
         return response.status_code, (await response.get_json())["error"]["param"]
 
     assert asyncio.run(refused()) == (400, "conversation")
+
+
+@pytest.mark.parametrize("room", ["whole", "without events"])
+def test_a_streamed_background_response_is_kept_with_its_events_or_without(room):
+    """background + stream on the model-free app (a delta, then the device fails): the POST streams
+    every event; a GET with stream=true replays those after starting_after from the store. A store
+    too small for the events keeps the response without them (still read, not streamed again)."""
+    from jaxserve.server.app import state_of
+    from jaxserve.server.response_store import ResponseStore
+
+    async def go() -> tuple[list[dict], dict, tuple[int, bytes]]:
+        app = create_app(FailingEngine(), FakeTokenizer(), "fake", 100)  # type: ignore[arg-type]
+        if room == "without events":
+            state_of(app).responses = ResponseStore(10, max_bytes=4000)  # a response's JSON, not its events
+        c = app.test_client()
+        posted = await (await c.post("/v1/responses", json={"input": "x", "background": True, "stream": True})
+                        ).get_data()
+        events = [json.loads(block.split("\n")[1].removeprefix("data: "))
+                  for block in posted.decode().split("\n\n")[:-1]]
+        rid = events[0]["response"]["id"]
+        kept = await (await c.get(f"/v1/responses/{rid}")).get_json()
+        again = await c.get(f"/v1/responses/{rid}?stream=true&starting_after=4")
+        return events, kept, (again.status_code, await again.get_data())
+
+    events, kept, (status, replayed) = asyncio.run(go())
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(7)) and events[0]["response"]["background"] is True
+    assert kept["status"] == "failed" and kept["output"][0]["content"][0]["text"] == "Hi"
+    if room == "whole":
+        again = [json.loads(block.split("\n")[1].removeprefix("data: "))
+                 for block in replayed.decode().split("\n\n")[:-1]]
+        assert status == 200 and again == events[5:]
+    else:
+        assert status == 400 and json.loads(replayed)["error"]["param"] == "stream"
