@@ -9,13 +9,13 @@ JSON, and a restart forgets them all. Host bookkeeping only.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
-import threading
 import time
 import uuid
 from typing import Any
+
+from jaxserve.server.lru_store import LruStore
 
 DEFAULT_MAX_CONVERSATION_BYTES = 512 << 20  # of item JSON, all conversations together
 
@@ -57,18 +57,14 @@ def _encoded(items: list[dict[str, Any]]) -> list[tuple[str, bytes]]:
     return [(item["id"], json.dumps(item).encode()) for item in items]
 
 
-class ConversationStore:
+class ConversationStore(LruStore[_Entry]):
     """A bounded LRU of conversations by id; safe to use from any thread. Items must carry ids
     unique within their conversation (the routes check them)."""
 
+    noun = "conversation"
+
     def __init__(self, max_entries: int, max_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES):
-        if max_entries < 1 or max_bytes < 1:
-            raise ValueError(f"a conversation store holds at least one conversation and one byte, got "
-                             f"{max_entries} and {max_bytes}")
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        super().__init__(max_entries, max_bytes)
 
     def create(self, items: list[dict[str, Any]], metadata: dict[str, str]) -> Conversation:
         """A new conversation holding `items`; ValueError when they alone are over max_bytes."""
@@ -77,18 +73,13 @@ class ConversationStore:
             raise ValueError(f"the items take {entry.size} bytes, more than the {self.max_bytes} kept for "
                              "conversations")
         with self._lock:
-            self._entries[entry.id] = entry
-            self._bytes += entry.size
-            self._evict(keep=entry.id)
+            self._insert(entry.id, entry)
             return entry.read()
 
     def get(self, conversation_id: str) -> Conversation | None:
         with self._lock:
-            found = self._entries.get(conversation_id)
-            if found is None:
-                return None
-            self._entries.move_to_end(conversation_id)
-            return found.read()
+            found = self._used(conversation_id)
+            return found.read() if found is not None else None
 
     def add_items(self, conversation_id: str, items: list[dict[str, Any]]) -> bool:
         """Append `items`; False when the conversation is gone (deleted or forgotten) or would be
@@ -100,9 +91,7 @@ class ConversationStore:
             if found is None or found.size + size > self.max_bytes:
                 return False
             found.items += encoded
-            self._bytes += size
-            self._entries.move_to_end(conversation_id)
-            self._evict(keep=conversation_id)
+            self._grew(conversation_id, size)
             return True
 
     def delete_item(self, conversation_id: str, item_id: str) -> Conversation | None:
@@ -123,25 +112,3 @@ class ConversationStore:
                 return None
             found.metadata = dict(metadata)
             return found.read()
-
-    def delete(self, conversation_id: str) -> bool:
-        with self._lock:
-            dropped = self._entries.pop(conversation_id, None)
-            if dropped is not None:
-                self._bytes -= dropped.size
-            return dropped is not None
-
-    def _evict(self, keep: str) -> None:
-        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-            oldest = next(iter(self._entries))
-            if oldest == keep:  # (it alone fits max_bytes, so something else goes first)
-                self._entries.move_to_end(keep)
-                oldest = next(iter(self._entries))
-            self._bytes -= self._entries.pop(oldest).size
-
-    @property
-    def num_bytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -100,11 +100,19 @@ def with_unique_ids(items: list[dict[str, Any]], before: list[dict[str, Any]], n
     return listed
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+# OpenAI's bounds on `metadata`, on a response as on a conversation.
+METADATA_LIMITS = "at most 16 pairs, keys up to 64 characters, values up to 512"
+
+
+def metadata_refused(metadata: dict[str, str] | None) -> bool:
     pairs = metadata or {}
-    if len(pairs) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in pairs.items()):
-        raise ApiError(400, "metadata: at most 16 pairs, keys up to 64 characters, values up to 512", "metadata")
-    return pairs
+    return len(pairs) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in pairs.items())
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    if metadata_refused(metadata):
+        raise ApiError(400, f"metadata: {METADATA_LIMITS}", "metadata")
+    return metadata or {}
 
 
 def _refuse_include() -> None:

@@ -139,11 +139,6 @@ class ResponsesRequest(_Forbid):
     prompt: Any = None
 
 
-def _bad_metadata(r: ResponsesRequest) -> bool:
-    pairs = r.metadata or {}
-    return len(pairs) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in pairs.items())
-
-
 def _obfuscation(r: ResponsesRequest) -> bool:
     return r.stream_options is not None and r.stream_options.include_obfuscation
 
@@ -164,7 +159,7 @@ _REFUSED: tuple[tuple[str, Callable[[ResponsesRequest], bool], str], ...] = (
     ("include", lambda r: any(i != LOGPROBS for i in r.include or ()), f"only {LOGPROBS!r} is available"),
     ("top_logprobs", lambda r: bool(r.top_logprobs) and LOGPROBS not in (r.include or ()),
      f"needs include: [{LOGPROBS!r}]"),
-    ("metadata", _bad_metadata, "at most 16 pairs, keys up to 64 characters, values up to 512"),
+    ("metadata", lambda r: conversations.metadata_refused(r.metadata), conversations.METADATA_LIMITS),
 )
 
 

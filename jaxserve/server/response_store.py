@@ -12,12 +12,12 @@ conversation up to it, so continuing needs nothing older. Host bookkeeping only.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
-import threading
 import uuid
 from typing import Any
+
+from jaxserve.server.lru_store import LruStore
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 DEFAULT_MAX_STORED_BYTES = 512 << 20  # of JSON text, all responses together
@@ -61,17 +61,13 @@ class StoredResponse:
         return json.loads(self.text)[2]
 
 
-class ResponseStore:
+class ResponseStore(LruStore[StoredResponse]):
     """A bounded LRU of finished responses by id; safe to use from any thread."""
 
+    noun = "response"
+
     def __init__(self, max_entries: int, max_bytes: int = DEFAULT_MAX_STORED_BYTES):
-        if max_entries < 1 or max_bytes < 1:
-            raise ValueError(f"a response store holds at least one response and one byte, got {max_entries} "
-                             f"and {max_bytes}")
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        super().__init__(max_entries, max_bytes)
 
     def put(self, response: StoredResponse) -> bool:
         """Keep `response` (replacing an earlier version of it), forgetting the least recently
@@ -82,33 +78,12 @@ class ResponseStore:
                 self._bytes -= old.size
             if response.size > self.max_bytes:
                 return False
-            self._entries[response.id] = response
-            self._bytes += response.size
-            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= dropped.size
+            self._insert(response.id, response)
             return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            found = self._entries.get(response_id)
-            if found is not None:
-                self._entries.move_to_end(response_id)
-            return found
-
-    def delete(self, response_id: str) -> bool:
-        with self._lock:
-            dropped = self._entries.pop(response_id, None)
-            if dropped is not None:
-                self._bytes -= dropped.size
-            return dropped is not None
-
-    @property
-    def num_bytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
+            return self._used(response_id)
 
 
 def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
