@@ -34,6 +34,7 @@ from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve import generation_config
 from jaxserve.server.cors import CorsPolicy
+from jaxserve.server.model_names import GENERIC_NAMES
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -245,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "shares the page ids and is sized beside this model's. Requests may set num_assistant_tokens "
                    "or assistant_confidence_threshold (stop drafting below that draft probability). Implies "
                    "--speculative-method draft and one decode iteration per step")
+    e.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve beside the model, each `name=path` or vLLM's JSON form "
+                   "'{\"name\": ..., \"path\": ...}': a PEFT adapter directory (adapter_config.json and "
+                   "adapter_model.safetensors) adapting the q/k/v/o and gate/up/down projections. A request "
+                   "selects one by its name as the model (OpenAI `model`, SGLang `lora_path`, Triton's model "
+                   "name); /v1/models lists them. Any mix of adapters and the base model decodes in one batch; "
+                   "each adapter costs 2 x rank x (in + out) multiply-adds per token per projection. Loaded at "
+                   "start-up (not at run time)")
+    e.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="with --lora-modules: the rank every adapter is padded to (an adapter above it is "
+                   "refused). Default: the largest rank among them")
+    e.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's switch for LoRA serving; here --lora-modules alone serves adapters, and this "
+                   "flag is accepted for vLLM command lines")
     e.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="with --speculative-method: most draft tokens a verify step checks per sequence (the "
                    "verify steps are compiled for K + 1 tokens a row); requests may ask fewer with "
@@ -519,6 +534,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
                           f"{args.speculative_method}")
     if args.speculative_method == "draft" and args.speculative_model is None:
         raise ConfigError("--speculative-method draft needs --speculative-model PATH")
+    lora_modules = _lora_modules(args.lora_modules, names)
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        raise ConfigError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
+    if args.max_lora_rank is not None and not lora_modules:
+        raise ConfigError("--max-lora-rank sizes the adapters of --lora-modules, and none are given")
     if args.num_speculative_tokens < 1:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 1 <= args.max_ngram_size <= MAX_NGRAM_SIZE:
@@ -558,6 +578,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             task=args.task,
             load_format=args.load_format,
             speculative_model=args.speculative_model,
+            lora_modules=lora_modules,
+            max_lora_rank=args.max_lora_rank,
             hf_overrides=args.hf_overrides,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config,
@@ -642,6 +664,24 @@ def _media_policy(args: argparse.Namespace) -> MediaPolicy:
                        max_images=max_images)
 
 
+def _lora_modules(texts: list[str], served: list[str]) -> tuple[Any, ...]:
+    """--lora-modules parsed (jaxserve.weights.lora_adapter.LoraModuleSpec), names unique and none
+    a served model name (a request's model picks one or the other)."""
+    from jaxserve.weights.lora_adapter import LoraModuleSpec
+
+    try:
+        specs = tuple(LoraModuleSpec.parse(text) for text in texts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    names = [s.name for s in specs]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"--lora-modules: the name {name!r} is given twice")
+        if name in served or name in GENERIC_NAMES:
+            raise ConfigError(f"--lora-modules: {name!r} is already a name of the served model")
+    return specs
+
+
 def _name_of(model: str) -> str:
     path = Path(model)
     if model == default_model():
@@ -669,6 +709,7 @@ _GENERATION_ONLY = {
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
     "--media-fetch-timeout": "media",
     "--mm-processor-kwargs": "model.mm_processor_kwargs",
+    "--lora-modules / --max-lora-rank": "model.lora_modules",
 }
 
 

@@ -163,6 +163,34 @@ def check_draft_source(cfg: ModelConfig) -> None:
         raise WeightsError(f"--speculative-model: {e}") from e
 
 
+def check_lora_sources(cfg: ModelConfig) -> None:
+    """--lora-modules that cannot be adapters are refused before the model loads (minutes, for a
+    large one)."""
+    from jaxserve.weights.safetensors_dir import WeightsError
+
+    for spec in cfg.lora_modules:
+        if not (spec.path / "adapter_config.json").is_file():
+            raise WeightsError(f"--lora-modules: {spec.name}={spec.path} is not a PEFT LoRA adapter directory (no "
+                               "adapter_config.json)")
+
+
+def attach_lora_modules(decoder: Any, cfg: ModelConfig) -> None:
+    """Read --lora-modules against the loaded model and give it their factors (one slot each)."""
+    if not cfg.lora_modules:
+        return
+    from jaxserve.models.lora import attach_adapters, target_shapes
+    from jaxserve.weights.lora_adapter import load_adapter
+
+    shapes = target_shapes(decoder)
+    adapters = [load_adapter(spec, decoder.cfg.num_layers, shapes) for spec in cfg.lora_modules]
+    rank = cfg.max_lora_rank or max(a.rank for a in adapters)
+    attach_adapters(decoder, adapters, rank)
+    for a in adapters:
+        log.info("LoRA adapter %s: rank %d on %s", a.name, a.rank, ", ".join(a.targets))
+    log.info("LoRA: %d adapter(s) padded to rank %d, decoded beside the base model in one batch", len(adapters),
+             rank)
+
+
 def start_engine(config: "Config", default_max_model_len: int | None = None,
                  skip_tokenizer_init: bool = False) -> tuple["Engine", dict[str, float]]:
     """Load the model, size the KV cache, and compile every step shape: everything before the
@@ -177,6 +205,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     if config.model.generation_config_error is not None:  # read by generation models only
         raise ValueError(config.model.generation_config_error)
     check_draft_source(config.model)
+    check_lora_sources(config.model)
     if config.compilation_cache_dir is not None:
         enable_compilation_cache(config.compilation_cache_dir)
     tp = config.parallel.tensor_parallel_size
@@ -223,6 +252,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
         log.info("speculative decoding: %s (prompt lookup), up to %d draft tokens per verify step, n-grams of up "
                  "to %d tokens", scheduler.speculative_method, scheduler.num_speculative_tokens,
                  scheduler.max_ngram_size)
+    attach_lora_modules(ready.loaded.model, config.model)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,

@@ -127,7 +127,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       default_confidence_threshold=(sched.default_confidence_threshold
                                                     if sched.speculative_method == "draft" else None),
                       embed_dim=cfg.hidden_size if config.enable_prompt_embeds else 0,
-                      accepts_images=encoder is not None)
+                      accepts_images=encoder is not None, lora_names=decoder.lora_names)
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     engine.encoder = encoder
@@ -169,7 +169,7 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         vocab_size=decoder.cfg.vocab_size, page_size=config.cache.page_size,
         max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),
         max_prefill_seqs=sched.max_prefill_seqs, decode_steps=sched.decode_steps,
-        row_params=lambda seq: row_params(seq, eos_ids),
+        row_params=lambda seq: row_params(seq, eos_ids, decoder.lora_names),
         num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
         draft_model=sched.speculative_method == "draft")
 

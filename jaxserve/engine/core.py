@@ -168,6 +168,9 @@ class Engine:
         images, embeds = list(images), list(embeds)
         self._check_inputs(prompt_ids, images, embeds)
         params.validate(self.info.vocab_size, self.info.max_n)
+        if params.lora is not None and params.lora not in self.info.lora_names:
+            loaded = ", ".join(self.info.lora_names) or "none: the server was started without --lora-modules"
+            raise InvalidRequestError("lora", f"no LoRA adapter named {params.lora!r} is loaded ({loaded})")
         params = speculation_defaults(params, self.info)
         check_speculation(params, self.info)
         if params.stop and self.tokenizer is None:

@@ -35,6 +35,8 @@ class EngineInfo:
     # server takes none: --enable-prompt-embeds is off), and whether a vision encoder takes images.
     embed_dim: int = 0
     accepts_images: bool = False
+    # The LoRA adapters requests may name (SamplingParams.lora), in slot order (--lora-modules).
+    lora_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

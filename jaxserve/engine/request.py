@@ -65,6 +65,9 @@ class SamplingParams:
     # vLLM's: the prefix cache shares pages only among requests with the same salt (a tenant's
     # secret), so no one can learn from cache hits what others' prompts were. None: shared.
     cache_salt: str | None = None
+    # The LoRA adapter to decode with, by the name the server loaded it under (--lora-modules);
+    # None: the base model. Its cached prefix pages are its own (an adapter changes every K/V).
+    lora: str | None = None
     # Prompt-lookup (n-gram) speculative decoding, on a server started with it: draft tokens per
     # verify step (None: the server's --num-speculative-tokens; 0: off for this request) and the
     # longest n-gram matched (None: the server's --max-ngram-size). OVMS's names.

@@ -41,6 +41,7 @@ class RowParams:
     num_logprobs: int = -1  # -1 none, 0 the chosen token's only, N also the top N
     processed_logprobs: bool = False
     constrained: bool = False  # a grammar limits its tokens (its mask is sent every step)
+    lora: int = -1  # the LoRA adapter's slot (jaxserve.models.lora); -1: the base model
 
     @property
     def has_penalties(self) -> bool:
@@ -65,6 +66,7 @@ ROW_ARRAYS: dict[str, tuple[type, tuple[int, ...]]] = {
     "num_logprobs": (np.int32, ()),
     "processed_logprobs": (np.bool_, ()),
     "constrained": (np.bool_, ()),
+    "lora": (np.int32, ()),
 }
 
 
@@ -76,6 +78,7 @@ def empty_rows(size: int) -> dict[str, np.ndarray]:
     rows["top_p"].fill(1.0)
     rows["repetition_penalty"].fill(1.0)
     rows["num_logprobs"].fill(-1)
+    rows["lora"].fill(-1)
     return rows
 
 
@@ -89,7 +92,7 @@ def pack_rows(rows: Sequence[RowParams], size: int, vocab_size: int) -> dict[str
         if not -1 <= row.num_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"row {i}: num_logprobs {row.num_logprobs} is outside [-1, {MAX_TOP_LOGPROBS}]")
         for name in ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "min_tokens", "num_logprobs", "processed_logprobs", "constrained"):
+                     "repetition_penalty", "min_tokens", "num_logprobs", "processed_logprobs", "constrained", "lora"):
             out[name][i] = getattr(row, name)
         out["seed"][i] = row.seed & 0xFFFFFFFF
         if row.logit_bias:
@@ -116,9 +119,10 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def row_params(seq: Seq, eos_ids: Iterable[int]) -> RowParams:
+def row_params(seq: Seq, eos_ids: Iterable[int], lora_names: Sequence[str] = ()) -> RowParams:
     """The row of a running sequence: its request's parameters, its own seed, the bans that never
-    change (single-token bad words) and the ids that end it."""
+    change (single-token bad words), the ids that end it, and its LoRA adapter's slot in
+    `lora_names` (the engine checked the name when the request came)."""
     p = seq.params
     want = p.logprobs if p.logprobs is not None else (0 if p.best_of and p.best_of > p.n else -1)
     end_ids = p.end_ids(eos_ids)
@@ -131,6 +135,7 @@ def row_params(seq: Seq, eos_ids: Iterable[int]) -> RowParams:
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, banned_ids=current_bans(seq),
         end_ids=sorted(end_ids), min_tokens=p.min_tokens, seed=seq.seed, num_logprobs=MAX_TOP_LOGPROBS if beam else want,
         processed_logprobs=p.processed_logprobs, constrained=seq.matcher is not None,
+        lora=-1 if p.lora is None else list(lora_names).index(p.lora),
     )
 
 

@@ -361,7 +361,7 @@ class Scheduler:
             if self._slots_needed(seq) > len(self._free_slots):
                 return
             tokens = self._matchable_tokens(seq)
-            root = salted_root(seq.params.cache_salt)
+            root = salted_root(seq.params.cache_salt, seq.params.lora)
             cached, num_cached = self.allocator.peek_prefix(tokens, root)
             end = min(seq.num_tokens, num_cached + budget)
             num_new = self.allocator.pages_for(end) - len(cached)

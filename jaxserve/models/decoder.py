@@ -107,22 +107,22 @@ class Attention(nnx.Module):
         self.k_norm = norm() if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def qkv(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+    def qkv(self, x: Array, rope: tuple[Array, Array], lora_mask: Array | None = None) -> tuple[Array, Array, Array]:
         """Project and rotate: q [b, t, q_heads, d], k and v [b, t, kv_heads, d]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, lora_mask).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, lora_mask).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora_mask).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
     def __call__(self, x: Array, rope: tuple[Array, Array], attend: AttentionFn, cache: Any, window: Array,
-                 layer: Array) -> tuple[Array, Any]:
-        q, k, v = self.qkv(x, rope)
+                 layer: Array, lora_mask: Array | None = None) -> tuple[Array, Any]:
+        q, k, v = self.qkv(x, rope, lora_mask)
         out, cache = attend(q, k, v, cache, window, layer)
         b, t = x.shape[:2]
-        return self.o_proj(out.reshape(b, t, -1).astype(x.dtype)), cache
+        return self.o_proj(out.reshape(b, t, -1).astype(x.dtype), lora_mask), cache
 
 
 class MLP(nnx.Module):
@@ -133,8 +133,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(i, h, cfg.mlp_bias, dtype)
         self.act_name = cfg.hidden_act
 
-    def __call__(self, x: Array) -> Array:
-        return self.down_proj(_activation(self.act_name)(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: Array, lora_mask: Array | None = None) -> Array:
+        act = _activation(self.act_name)
+        return self.down_proj(act(self.gate_proj(x, lora_mask)) * self.up_proj(x, lora_mask), lora_mask)
 
 
 class DecoderLayer(nnx.Module):
@@ -150,21 +151,21 @@ class DecoderLayer(nnx.Module):
         self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
 
     def __call__(self, x: Array, rope: tuple[Array, Array], attend: AttentionFn, cache: Any, window: Array,
-                 layer: Array) -> tuple[Array, Any]:
-        h, cache = self.self_attn(self.input_layernorm(x), rope, attend, cache, window, layer)
+                 layer: Array, lora_mask: Array | None = None) -> tuple[Array, Any]:
+        h, cache = self.self_attn(self.input_layernorm(x), rope, attend, cache, window, layer, lora_mask)
         if self.pre_feedforward_layernorm is None:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), cache
+            return x + self.mlp(self.post_attention_layernorm(x), lora_mask), cache
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora_mask)), cache
 
 
-def _layer_body(layer: DecoderLayer, carry: tuple[Array, Any], shared: tuple[Any, AttentionFn],
+def _layer_body(layer: DecoderLayer, carry: tuple[Array, Any], shared: tuple[Any, AttentionFn, Array | None],
                 per_layer: tuple[Array, Array]) -> tuple[Array, Any]:
     x, cache = carry
-    rope, attend = shared
+    rope, attend, lora_mask = shared
     window, index = per_layer
-    return layer(x, rope, attend, cache, window, index)
+    return layer(x, rope, attend, cache, window, index, lora_mask)
 
 
 class Decoder(nnx.Module):
@@ -178,6 +179,9 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
         # [vocab, hidden], HF's own orientation, so a tied head is the embedding itself.
         self.lm_head = None if cfg.tie_word_embeddings else zeros_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # LoRA adapters' slots, in order, and their common rank (jaxserve.models.lora.attach_adapters).
+        self.lora_names: tuple[str, ...] = ()
+        self.lora_rank = 0
 
     def embed(self, tokens: Array) -> Array:
         x = products.rows(self.embed_tokens.get_value(), tokens, self.dtype)
@@ -188,14 +192,15 @@ class Decoder(nnx.Module):
 
     def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn, cache: Any = None,
                       embeds: tuple[Array, Array] | None = None,
-                      rope_positions: Array | None = None) -> tuple[Array, Any]:
+                      rope_positions: Array | None = None, lora_slots: Array | None = None) -> tuple[Array, Any]:
         """Run every layer. tokens, positions: [batch, tokens]. cache: any pytree `attend`
         understands (or None), carried through the layers. embeds: (values [b, t, hidden], mask
         [b, t]): where mask is set the input is the given embedding (an image's, or the client's
         input_embeds), taken as it is (no embedding scale, as HF's inputs_embeds). Returns
         final-normed hidden [b, t, hidden] and the new cache. rope_positions: an M-RoPE model's
         [b, t, 3] positions (which, unlike `positions`, the masks and the cache never read);
-        None: every axis at `positions`."""
+        None: every axis at `positions`. lora_slots: [b, t] each token's LoRA adapter
+        (`lora_names` index; -1 or None: the base model)."""
         x = self.embed(tokens)
         if embeds is not None:
             values, mask = embeds
@@ -205,7 +210,12 @@ class Decoder(nnx.Module):
         rope = rope_tables(positions if rope_positions is None else rope_positions, rope_inv_freq(self.cfg), x.dtype,
                            self.cfg.mrope_section)
         per_layer = [(jnp.int32(window), jnp.int32(i)) for i, window in enumerate(self.cfg.windows())]
-        x, cache = run_layers(self.layers, _layer_body, (x, cache), (rope, attend), per_layer)
+        lora_mask = None
+        if self.lora_names and lora_slots is not None:
+            from jaxserve.models.lora import token_mask
+
+            lora_mask = token_mask(lora_slots, len(self.lora_names), self.lora_rank, x.dtype)
+        x, cache = run_layers(self.layers, _layer_body, (x, cache), (rope, attend, lora_mask), per_layer)
         return self.norm(x), cache
 
     @property
@@ -221,10 +231,12 @@ class Decoder(nnx.Module):
         return out if not cap else jnp.tanh(out / cap) * cap
 
     def __call__(self, tokens: Array, positions: Array, lengths: Array,
-                 embeds: tuple[Array, Array] | None = None, rope_positions: Array | None = None) -> Array:
+                 embeds: tuple[Array, Array] | None = None, rope_positions: Array | None = None,
+                 lora_slots: Array | None = None) -> Array:
         """Full no-cache forward (the reference): right-padded [batch, tokens] -> logits."""
         attend = DenseAttention(positions, lengths, scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap)
-        hidden, _ = self.hidden_states(tokens, positions, attend, embeds=embeds, rope_positions=rope_positions)
+        hidden, _ = self.hidden_states(tokens, positions, attend, embeds=embeds, rope_positions=rope_positions,
+                                       lora_slots=lora_slots)
         return self.logits(hidden)
 
 

@@ -42,10 +42,20 @@ class Linear(nnx.Module):
         self.kernel = zeros_param(din, dout, dtype=dtype)  # [din, dout]
         self.bias = zeros_param(dout, dtype=dtype) if bias else None
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, lora_mask: Array | None = None) -> Array:
+        """lora_mask: each token's LoRA adapter columns (jaxserve.models.lora.token_mask), for a
+        Linear that adapters target (`lora_a` / `lora_b`, set by attach_adapters); None: the base
+        product only."""
         # The kernel's type picks the product (jaxserve.models.products): dense, or the CPU kernel's.
         y = products.linear(x, self.kernel.get_value())
-        return y if self.bias is None else y + self.bias[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        lora_a = getattr(self, "lora_a", None)
+        if lora_a is not None and lora_mask is not None:
+            from jaxserve.models import lora
+
+            y = y + lora.delta(x, lora_a[...], self.lora_b[...], lora_mask)
+        return y
 
 
 class RMSNorm(nnx.Module):

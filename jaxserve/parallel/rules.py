@@ -43,6 +43,16 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "up_proj", "kernel"): (None, "mlp"),
     ("mlp", "up_proj", "bias"): ("mlp",),
     ("mlp", "down_proj", "kernel"): ("mlp", None),
+    # LoRA factors (jaxserve.models.lora) split with their projection: b [S * r, out] by the output
+    # columns of the column-parallel projections, a [in, S * r] by the input rows of the row-parallel
+    # ones; the other factor is small and replicated.
+    ("self_attn", "q_proj", "lora_b"): (None, "heads"),
+    ("self_attn", "k_proj", "lora_b"): (None, "kv_heads"),
+    ("self_attn", "v_proj", "lora_b"): (None, "kv_heads"),
+    ("self_attn", "o_proj", "lora_a"): ("heads", None),
+    ("mlp", "gate_proj", "lora_b"): (None, "mlp"),
+    ("mlp", "up_proj", "lora_b"): (None, "mlp"),
+    ("mlp", "down_proj", "lora_a"): ("mlp", None),
 }
 
 

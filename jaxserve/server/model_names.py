@@ -1,6 +1,7 @@
 """Which model names a request may send: the served names (--served-model-name A B ...), an
 omitted model, the generic names the seed documents' examples send, or any name with
---accept-any-model-name. One check shared by every route that takes a model name."""
+--accept-any-model-name; and, on the generation routes, a LoRA adapter's (--lora-modules), which
+selects that adapter. One check shared by every route that takes a model name."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ GENERIC_NAMES = ("default", "null")
 class ModelNames:
     names: tuple[str, ...]  # the first is the one responses report
     accept_any: bool = False
+    # LoRA adapters by name -> their directory (--lora-modules): models of their own to clients.
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -33,19 +36,47 @@ class ModelNames:
     def accepts(self, name: str | None) -> bool:
         return name is None or self.accept_any or name in self.names or name in GENERIC_NAMES
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.adapters)
+
     def check(self, name: str | None, param: str = "model") -> None:
-        """404 (OpenAI's model_not_found) unless a request naming `name` is for this server."""
+        """404 (OpenAI's model_not_found) unless a request naming `name` is for this server's base
+        model; 400 for an adapter's name (routes that take one call `lora`)."""
+        if name in self.adapter_names:
+            raise ApiError(400, f"`{name}` is a LoRA adapter, and only text generation decodes with adapters; "
+                           f"this route serves the base model `{self.primary}`.", param)
         if not self.accepts(name):
             served = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}.", param,
                            code="model_not_found")
 
+    def lora(self, name: str | None, param: str = "model") -> str | None:
+        """The LoRA adapter a generation request naming `name` decodes with (None: the base model),
+        after `check`'s rules for any other name."""
+        if name is not None and name in self.adapter_names:
+            return name
+        self.check(name, param)
+        return None
+
+    def reported(self, requested: str | None) -> str:
+        """The model name a response to a request for `requested` reports: an adapter's own (as
+        vLLM does), else the served name."""
+        return requested if requested is not None and requested in self.adapter_names else self.primary
+
     def cards(self, created: int, max_model_len: int) -> dict:
-        """/v1/models: one card per served name (as vLLM lists them), the reported one first."""
-        return {"object": "list", "data": [self.card(name, created, max_model_len) for name in self.names]}
+        """/v1/models: one card per served name (as vLLM lists them), the reported one first, then
+        one per LoRA adapter."""
+        return {"object": "list", "data": [self.card(name, created, max_model_len)
+                                           for name in (*self.names, *self.adapter_names)]}
 
     def card(self, name: str, created: int, max_model_len: int) -> dict:
-        """/v1/models/{name} (OpenAI's retrieve): the card of a name this server answers to, else 404."""
+        """/v1/models/{name} (OpenAI's retrieve): the card of a name this server answers to, else 404.
+        An adapter's card names its directory as root and the served model as parent (vLLM's)."""
+        adapters = dict(self.adapters)
+        if name in adapters:
+            return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": adapters[name],
+                    "parent": self.primary, "max_model_len": max_model_len, "permission": []}
         self.check(name)
         if name not in self.names:  # "default", or any name under --accept-any-model-name: the served model
             name = self.primary
@@ -55,4 +86,5 @@ class ModelNames:
 
 def served_names(config: Any) -> ModelNames:
     """The names a server started from `config` (jaxserve.config.Config) answers to."""
-    return ModelNames(config.model.served_model_names, config.model.accept_any_model_name)
+    return ModelNames(config.model.served_model_names, config.model.accept_any_model_name,
+                      tuple((spec.name, str(spec.path)) for spec in config.model.lora_modules))

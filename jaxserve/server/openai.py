@@ -55,6 +55,7 @@ def sampling_params(state: ServerState, req: SamplingFields, max_tokens: int | N
                             bad_words_ids=bad_words_ids(state.tokenizer, req.bad_words) if req.bad_words else None,
                             use_beam_search=bool(req.use_beam_search) or ovms_beams)
     sampling.refuse_streamed_beams(params, req.stream, "best_of" if ovms_beams else "use_beam_search")
+    params.lora = state.model_names.lora(req.model)
     return params
 
 
@@ -349,7 +350,7 @@ def _completion_inputs(state: ServerState, req: CompletionRequest) -> tuple[list
 async def completions(state: ServerState) -> Response:
     """OpenAI text completions (legacy), with vLLM's sampling extras."""
     req = await parse(CompletionRequest)
-    state.model_names.check(req.model)
+    state.model_names.lora(req.model)
     if req.suffix is not None:
         raise not_supported("suffix", "suffix (insertion)")
     prompts, embeds = _completion_inputs(state, req)
@@ -382,7 +383,7 @@ async def completions(state: ServerState) -> Response:
                 choice |= {"prompt_token_ids": ids, "token_ids": o.token_ids}
             choices.append(choice)
     return jsonify({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                    "model": state.model_name, "choices": choices, "usage": total.body(),
+                    "model": state.model_names.reported(req.model), "choices": choices, "usage": total.body(),
                     "system_fingerprint": None})
 
 
@@ -395,8 +396,8 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
     prompt_lps: dict[int, list[TokenLogprob | None]] = {}  # the engine sends them with the first delta
 
     def chunk(choices: list[dict[str, Any]]) -> bytes:
-        body = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": choices, "system_fingerprint": None}
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": state.model_names.reported(req.model), "choices": choices, "system_fingerprint": None}
         if include_usage:
             body["usage"] = total.body() if continuous else None
         return sse.event(body)
@@ -430,7 +431,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, request
                 yield chunk([choice])
         if include_usage:
             yield sse.event({"id": request_id, "object": "text_completion", "created": created,
-                             "model": state.model_name, "choices": [], "usage": total.body()})
+                             "model": state.model_names.reported(req.model), "choices": [], "usage": total.body()})
     except Exception as e:
         yield sse.event(error_event(e, "openai"))
     yield sse.DONE

@@ -39,7 +39,7 @@ from jaxserve.server.tools import forced_tools, function_schemas
 async def chat_completions(state: ServerState) -> Response:
     """OpenAI chat completions, with vLLM's sampling and chat-template extras."""
     req = await parse(ChatCompletionRequest)
-    state.model_names.check(req.model)
+    state.model_names.lora(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
     if req.reasoning_max_tokens is not None:
@@ -118,8 +118,9 @@ async def chat_completions(state: ServerState) -> Response:
     token_usage = usage(len(prompt), sum(len(o.token_ids) for o in res.outputs), res.num_cached_tokens,
                         num_reasoning, draft_counts(state, res.num_draft_tokens, res.num_accepted_draft_tokens),
                         image_tokens)
-    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": token_usage, "system_fingerprint": None}
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_names.reported(req.model), "choices": choices, "usage": token_usage,
+            "system_fingerprint": None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     if req.prompt_logprobs is not None and res.prompt_logprobs is not None:
@@ -158,7 +159,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": state.model_name, "choices": choices, "system_fingerprint": None, **extra}
+                "model": state.model_names.reported(req.model), "choices": choices, "system_fingerprint": None, **extra}
         if include_usage:
             body["usage"] = usage_body() if continuous else None
         return sse.event(body)
@@ -195,7 +196,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, request_i
                 yield chunk([choice])
         if include_usage:
             yield sse.event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": state.model_name, "choices": [], "usage": usage_body()})
+                             "model": state.model_names.reported(req.model), "choices": [], "usage": usage_body()})
     except Exception as e:
         yield sse.event(error_event(e, "openai"))
     yield sse.DONE

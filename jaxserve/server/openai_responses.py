@@ -482,7 +482,7 @@ class Reply:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": self.completed_at if status == "completed" else None, "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.state.model_name, "output": self.output() if done else [],
+            "model": self.state.model_names.reported(req.model), "output": self.output() if done else [],
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -589,7 +589,7 @@ async def responses(state: ServerState) -> Response:
     """OpenAI Responses API: one assistant message through the chat template, stored when asked
     (module docstring)."""
     req = await parse(ResponsesRequest)
-    state.model_names.check(req.model)
+    lora = state.model_names.lora(req.model)
     refuse_unhonoured(req)
     if req.conversation is not None and req.previous_response_id is not None:
         raise ApiError(400, "conversation: cannot be used with previous_response_id (the conversation holds the "
@@ -614,6 +614,7 @@ async def responses(state: ServerState) -> Response:
     prompt = prompt_ids(state, req, tools if tools_on else None, earlier,
                         "conversation" if conversation is not None else "previous_response_id")
     params = sampling_params(req, state.sampling_defaults)
+    params.lora = lora
     fmt, spec = text_format(req)
     plan = answers.plan(state, prompt, forced, tools_on and forced is None, schemas)
     await answers.constrain(state, params, plan, spec, req.parallel_tool_calls is not False)

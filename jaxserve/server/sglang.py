@@ -141,7 +141,7 @@ class _Prompt:
 
 async def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[_Prompt], bool]:
     """The prompts (token ids, with their images or embeddings), and whether the request was a batch."""
-    for name in ("audio_data", "video_data", "lora_path", "custom_logit_processor"):
+    for name in ("audio_data", "video_data", "custom_logit_processor"):
         if getattr(req, name) is not None:
             raise not_supported(name, name)
     if sum(x is not None for x in (req.text, req.input_ids, req.input_embeds)) != 1:
@@ -236,8 +236,12 @@ async def generate(state: ServerState) -> Response:
     if batch and isinstance(req.rid, str):
         raise ApiError(400, "rid: a batch takes a list of rids, one per prompt", "rid")
     rids = _per_prompt(req.rid, len(prompts), "rid")
+    loras = [_lora(state, value, f"lora_path[{i}]" if isinstance(req.lora_path, list) else "lora_path")
+             for i, value in enumerate(_per_prompt(req.lora_path, len(prompts), "lora_path"))]
     try:
         params = [_params(sp, req, len(ids), state.sampling_defaults) for sp, ids in zip(sps, prompts)]
+        for p, lora in zip(params, loras):
+            p.lora = lora
         for sp, p in zip(sps, params):
             await attach_grammar(state, p, guide_spec(sp))
     except InvalidRequestError as e:
@@ -256,6 +260,19 @@ async def generate(state: ServerState) -> Response:
     items = [_item(state, req, res, o, p, stream) for res, p, stream in zip(results, params, flight.streams)
              for o in res.outputs]
     return jsonify(items if batch or len(items) > 1 else items[0])
+
+
+def _lora(state: ServerState, value: Any, where: str) -> str | None:
+    """SGLang's lora_path: a loaded adapter's name (--lora-modules name=path), or its path; None:
+    the base model."""
+    if value is None:
+        return None
+    adapters = state.model_names.adapters
+    for name, path in adapters:
+        if value in (name, path):
+            return name
+    loaded = ", ".join(name for name, _ in adapters) or "none: the server was started without --lora-modules"
+    raise ApiError(400, f"{where}: no LoRA adapter {value!r} is loaded ({loaded})", where)
 
 
 def _in_sglang_names(e: InvalidRequestError, prompt: str = "text") -> ApiError:

@@ -39,10 +39,13 @@ class GenerateRequest(BaseModel):
     parameters: dict[str, Any] = {}
 
 
-def _check_model(state: ServerState, name: str, version: str | None) -> None:
-    state.model_names.check(name)
+def _check_model(state: ServerState, name: str, version: str | None) -> str | None:
+    """The LoRA adapter `name` selects (a model of its own here, as Triton serves each LoRA of its
+    vLLM backend), None for the served model; 404 for other names and versions."""
+    lora = state.model_names.lora(name)
     if version is not None and version != VERSION:
         raise ApiError(404, f"unknown version '{version}' of model '{name}'; available: {VERSION}", "version")
+    return lora
 
 
 def _words(value: Any, name: str) -> list[str]:
@@ -94,7 +97,7 @@ def guide_spec(params: dict[str, Any]) -> GuideSpec | None:
 
 
 async def _parse(state: ServerState, name: str, version: str | None) -> tuple[dict[str, Any], SamplingParams, dict]:
-    _check_model(state, name, version)
+    lora = _check_model(state, name, version)
     try:
         body = json.loads(await request.get_data(cache=False))
     except (ValueError, UnicodeDecodeError) as e:
@@ -112,12 +115,13 @@ async def _parse(state: ServerState, name: str, version: str | None) -> tuple[di
             raise ApiError(400, f"{flag}: expected a boolean", flag)
     _check_end_id(state, params.get("end_id"))
     sampling = _sampling(state, params)
+    sampling.lora = lora
     await attach_grammar(state, sampling, guide_spec(params))
     return body, sampling, params
 
 
-def _response(state: ServerState, body: dict[str, Any], text: str) -> dict[str, Any]:
-    out = {"model_name": state.model_name, "model_version": VERSION, "text_output": text}
+def _response(state: ServerState, name: str, body: dict[str, Any], text: str) -> dict[str, Any]:
+    out = {"model_name": state.model_names.reported(name), "model_version": VERSION, "text_output": text}
     return ({"id": body["id"]} | out) if "id" in body else out
 
 
@@ -131,7 +135,7 @@ async def generate(state: ServerState, name: str, version: str | None = None) ->
     # The vLLM backend returns the prompt followed by the completion unless told otherwise.
     prefix = "" if raw.get("exclude_input_in_output", False) else prompt
     texts = [prefix + o.text for o in res.outputs]
-    return jsonify(_response(state, body, texts[0] if len(texts) == 1 else texts))
+    return jsonify(_response(state, name, body, texts[0] if len(texts) == 1 else texts))
 
 
 async def generate_stream(state: ServerState, name: str, version: str | None = None) -> Response:
@@ -150,7 +154,7 @@ async def generate_stream(state: ServerState, name: str, version: str | None = N
                 for o in delta.outputs:
                     text = ("" if o.index in started else prefix) + o.text
                     started.add(o.index)
-                    event = _response(state, body, text)
+                    event = _response(state, name, body, text)
                     yield sse.event(event | {"sequence_index": o.index} if params.n > 1 else event)
         except Exception as e:  # Triton has no [DONE]: the error event ends the stream
             yield sse.event(error_event(e, "triton"))
@@ -168,7 +172,7 @@ async def server_ready(state: ServerState) -> Response:
 async def model_metadata(state: ServerState, name: str, version: str | None = None) -> Response:
     """KServe v2 model metadata: the generate extension's inputs and outputs."""
     _check_model(state, name, version)
-    return jsonify({"name": state.model_name, "versions": [VERSION], "platform": "jaxserve",
+    return jsonify({"name": state.model_names.reported(name), "versions": [VERSION], "platform": "jaxserve",
                     "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
                     "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
 

@@ -60,6 +60,22 @@ def test_speculative_flags():
         config_from_args(parse_args(["--model", "/m", "--speculative-method", "draft"]))
 
 
+def test_lora_flags():
+    m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--lora-modules", "sql=/a/sql",
+                                     '{"name": "poet", "path": "/a/poet"}', "--max-lora-rank", "16"])).model
+    assert [(s.name, str(s.path)) for s in m.lora_modules] == [("sql", "/a/sql"), ("poet", "/a/poet")]
+    assert m.max_lora_rank == 16
+    assert config_from_args(parse_args(["--model", "/m"])).model.lora_modules == ()
+    for argv, words in ((["--lora-modules", "sql=/a", "sql=/b"], "given twice"),
+                        (["--lora-modules", "m=/a"], "already a name of the served model"),
+                        (["--lora-modules", "default=/a"], "already a name"),
+                        (["--lora-modules", "sql"], "not name=path"),
+                        (["--lora-modules", "sql=/a", "--max-lora-rank", "0"], "--max-lora-rank must be >= 1"),
+                        (["--max-lora-rank", "8"], "none are given")):
+        with pytest.raises(ConfigError, match=words):
+            config_from_args(parse_args(["--model", "/m", *argv]))
+
+
 def test_bucket_flags(tmp_path):
     sched = config_from_args(parse_args(["--model", "/m", "--max-num-seqs", "32", "--decode-buckets", "4", "32",
                                          "--max-num-batched-tokens", "512", "--prefill-buckets", "512"])).scheduler

@@ -1,0 +1,129 @@
+"""LoRA adapters in the engine against the `peft` library's own models: two adapters (different
+ranks, targets, alphas, rsLoRA) and the base model decoding side by side in one batch give each
+request the tokens and logprobs of its own PEFT model; the prefix cache never lends one adapter's
+pages to another; bad adapters and unknown names are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_requests import run_requests
+from lora_adapters import make_adapter
+from tiny_models import make_tiny_model
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.build import EngineConfig, build_engine
+from jaxserve.engine.request import SamplingParams
+from jaxserve.errors import InvalidRequestError
+from jaxserve.models.lora import attach_adapters, target_shapes
+from jaxserve.weights import WeightsError, load_model
+from jaxserve.weights.lora_adapter import LoraModuleSpec, load_adapter
+
+pytestmark = pytest.mark.slow
+
+CONFIG = EngineConfig(
+    cache=CacheConfig(page_size=4, num_pages=64),
+    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_seqs=4, max_model_len=64,
+                              decode_buckets=(4,), prefill_buckets=(32,)),
+    check_integrity=True,
+)
+PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18], [1, 42, 7], [1, 9, 8, 7, 6, 5, 4, 3, 2]]
+MAX_TOKENS = 12
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs by full forwards of the HF (or PEFT) model, EOS included
+    like any token (the engine's requests set ignore_eos)."""
+    ids, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            ids.append(token)
+            tokens.append(token)
+            logprobs.append(logp[token].item())
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base_dir = tmp_path_factory.mktemp("base")
+    hf = make_tiny_model("llama3", base_dir)
+    references = {None: hf}
+    specs = []
+    for i, name in enumerate(("sql", "poet")):
+        path = tmp_path_factory.mktemp(name)
+        references[name] = make_adapter(hf, name, path, seed=10 + i)
+        specs.append(LoraModuleSpec(name, path))
+    decoder = load_model(base_dir, "float32", use_cache=False).model
+    shapes = target_shapes(decoder)
+    adapters = [load_adapter(s, decoder.cfg.num_layers, shapes) for s in specs]
+    assert [a.rank for a in adapters] == [8, 4]
+    attach_adapters(decoder, adapters, rank=8)
+    return build_engine(decoder, None, CONFIG, eos_ids=[2]), references, specs, shapes
+
+
+def test_adapters_and_base_in_one_batch_match_peft(setup):
+    engine, references, _, _ = setup
+    assert engine.info.lora_names == ("sql", "poet")
+    expected = {name: [_hf_greedy(ref, p) for p in PROMPTS] for name, ref in references.items()}
+    assert expected["sql"] != expected[None] and expected["poet"] != expected[None]  # the adapters matter
+    # Every prompt under every adapter and the base model, interleaved in one batch.
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in (None, "sql", "poet")]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, lora=name)
+              for name, _ in jobs]
+    outs = run_requests(engine, [PROMPTS[i] for _, i in jobs], params, "mixed")
+    for (name, i), out in zip(jobs, outs):
+        tokens, logprobs = expected[name][i]
+        assert out.outputs[0].token_ids == tokens, (name, i)
+        assert [lp.logprob for lp in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=2e-4), (name, i)
+
+
+def test_prefix_cache_is_per_adapter(setup):
+    """The base model's pages of a prompt are never read by an adapter's request of the same
+    prompt (its K/V differ): the adapter's output stays its PEFT model's, and its own second run
+    hits its own cache."""
+    engine, references, _, _ = setup
+    prompt = [1, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95]  # 4 full pages + 1
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    (base,) = run_requests(engine, [prompt], SamplingParams(**greedy), "base")
+    for round_ in range(2):
+        (out,) = run_requests(engine, [prompt], SamplingParams(**greedy, lora="poet"), f"poet{round_}")
+        tokens, logprobs = _hf_greedy(references["poet"], prompt)
+        assert out.outputs[0].token_ids == tokens
+        assert [lp.logprob for lp in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=2e-4)
+        assert out.num_cached_tokens == (0 if round_ == 0 else 16)
+    assert base.outputs[0].token_ids == _hf_greedy(references[None], prompt)[0]
+
+
+def test_unknown_adapter_refused(setup):
+    engine = setup[0]
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("x", [1, 2, 3], SamplingParams(lora="nope"))
+    assert e.value.param == "lora" and "sql, poet" in str(e.value)
+
+
+def test_bad_adapters_refused(setup, tmp_path):
+    _, _, specs, shapes = setup
+    good = specs[0].path
+    config = json.loads((good / "adapter_config.json").read_text())
+
+    def refused(change: dict, words: str) -> None:
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        (bad / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+        with pytest.raises(WeightsError, match=words):
+            load_adapter(LoraModuleSpec("bad", bad), 3, shapes)
+
+    refused({"use_dora": True}, "DoRA")
+    refused({"bias": "lora_only"}, "biases")
+    refused({"modules_to_save": ["lm_head"]}, "modules_to_save")
+    with pytest.raises(WeightsError, match="for layer 2, and the model has 2"):
+        load_adapter(specs[0], 2, shapes)
+    with pytest.raises(WeightsError, match="needs"):
+        load_adapter(specs[0], 3, dict(shapes, q_proj=(64, 32)))
+    with pytest.raises(WeightsError, match="no adapter_config.json"):
+        load_adapter(LoraModuleSpec("none", tmp_path), 3, shapes)

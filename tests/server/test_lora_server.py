@@ -1,0 +1,117 @@
+"""LoRA adapters through a real server (SmolLM2, real port, the official openai client): a server
+started with --lora-modules answers a request naming an adapter exactly as the `peft` library's
+model of that adapter decodes (greedy), on OpenAI completions and chat (whole and streamed),
+SGLang's lora_path and Triton's model name; the base model's answers do not change beside them;
+/v1/models lists the adapters; unknown adapters are refused by name."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from live_server import MAX_MODEL_LEN, MODEL, small_engine, start_server
+from lora_adapters import make_adapter
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.server.app import create_app
+from jaxserve.server.model_names import ModelNames
+from jaxserve.weights.lora_adapter import LoraModuleSpec
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three most useful SQL commands are"
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_smollm2, tmp_path_factory):
+    """name -> (directory, PEFT model): small random factors, which change SmolLM2's answers
+    without turning them into noise."""
+    out = {}
+    for i, name in enumerate(("sql", "poet")):
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, make_adapter(hf_smollm2, name, path, seed=20 + i, scale=0.05))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_server(cache_dir, smollm2_tokenizer, adapters):
+    specs = tuple(LoraModuleSpec(name, path) for name, (path, _) in adapters.items())
+    # One bucket of each kind: the adapters' steps are programs of their own, each a compile.
+    engine = AsyncEngine(small_engine(cache_dir, lora_modules=specs, decode_buckets=(8,), prefill_buckets=(64,)))
+    names = ModelNames((MODEL,), adapters=tuple((s.name, str(s.path)) for s in specs))
+    live = start_server(create_app(engine, smollm2_tokenizer, names, MAX_MODEL_LEN))
+    yield live
+    live.close()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lora_client(lora_server):
+    import openai
+
+    return openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _peft_text(model: torch.nn.Module, tokenizer, prompt_ids: list[int]) -> str:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+    return tokenizer.decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
+
+
+def test_completions_and_chat_decode_as_peft(lora_client, client, adapters, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    base = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    texts = {}
+    for name, (_, peft_model) in adapters.items():
+        out = lora_client.completions.create(model=name, prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+        assert out.model == name
+        texts[name] = out.choices[0].text
+        assert texts[name] == _peft_text(peft_model, tok, tok.encode(PROMPT))
+        assert texts[name] != base.choices[0].text
+    assert texts["sql"] != texts["poet"]
+    # The base model beside the adapters: the plain server's answer.
+    same = lora_client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    assert same.model == MODEL and same.choices[0].text == base.choices[0].text
+
+    messages = [{"role": "user", "content": "Write one line about the sea."}]
+    chat = lora_client.chat.completions.create(model="poet", messages=messages, temperature=0, max_tokens=TOKENS)
+    assert chat.model == "poet"
+    assert chat.choices[0].message.content == _peft_text(adapters["poet"][1], tok, tok.encode_chat(messages))
+    stream = lora_client.chat.completions.create(model="poet", messages=messages, temperature=0, max_tokens=TOKENS,
+                                                 stream=True)
+    chunks = list(stream)
+    assert {c.model for c in chunks} == {"poet"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+
+
+def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
+    cards = {m.id: m for m in lora_client.models.list().data}
+    assert list(cards) == [MODEL, "sql", "poet"]
+    assert cards["sql"].parent == MODEL and cards["sql"].root == str(adapters["sql"][0])
+    url = lora_server.url
+    ref = lora_client.completions.create(model="sql", prompt=PROMPT, temperature=0, max_tokens=TOKENS).choices[0].text
+    base = lora_client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS).choices[0].text
+    sampling = {"temperature": 0, "max_new_tokens": TOKENS}
+    one = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": sampling, "lora_path": "sql"},
+                     timeout=120).json()
+    assert one["text"] == ref
+    by_path = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": sampling,
+                                                  "lora_path": str(adapters["sql"][0])}, timeout=120).json()
+    assert by_path["text"] == ref
+    batch = httpx.post(url + "/generate", json={"text": [PROMPT, PROMPT], "sampling_params": sampling,
+                                                "lora_path": [None, "sql"]}, timeout=120).json()
+    assert [item["text"] for item in batch] == [base, ref]
+    triton = httpx.post(url + "/v2/models/sql/generate", json={"text_input": PROMPT, "parameters": {
+        "temperature": 0, "max_tokens": TOKENS, "exclude_input_in_output": True}}, timeout=120).json()
+    assert triton["model_name"] == "sql" and triton["text_output"] == ref
+
+    bad = httpx.post(url + "/generate", json={"text": PROMPT, "lora_path": "nope"}, timeout=30)
+    assert bad.status_code == 400 and "lora_path" in bad.text and "sql, poet" in bad.text
+    bad = httpx.post(url + "/generate", json={"text": [PROMPT], "lora_path": ["sql", "x"]}, timeout=30)
+    assert bad.status_code == 400 and "lora_path" in bad.text
+    bad = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": PROMPT}, timeout=30)
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(url + "/tokenize", json={"model": "sql", "prompt": PROMPT}, timeout=30)
+    assert bad.status_code == 400 and "LoRA adapter" in bad.text
