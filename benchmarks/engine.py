@@ -5,12 +5,15 @@
                                 [--load-format dummy] [--attention-backend auto]
                                 [--matmul-backend auto] [--layouts sharded unsharded]
                                 [--kv-cache-dtype auto fp8_e4m3] [--temperature 1.0]
+                                [--lora 0 1x16 4x16]
 
 `--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
 tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
 unannotated single-device step, and prints the ratio, to show the mesh costs nothing.
 `--matmul-backend xla cpu` likewise runs XLA's products and the native CPU kernel's in turn, and
-`--kv-cache-dtype auto fp8_e4m3` a cache of the model's dtype and an 8-bit one.
+`--kv-cache-dtype auto fp8_e4m3` a cache of the model's dtype and an 8-bit one, and `--lora 0 1x16`
+no LoRA adapter slots and one slot of rank 16 on every projection (SLOTSxRANK; every request
+then decodes with a random adapter in the first slot: what the slots cost).
 On a GPU, give `--load-format dummy` with a directory from `python -m benchmarks.dummy_model`
 to time real architectures (Llama-3-8B...) with random weights; JAX_PLATFORMS defaults to cpu
 here, so set JAX_PLATFORMS=cuda there.
@@ -45,7 +48,8 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int, *,
                  load_format: str = "auto", attention_backend: str = "auto", matmul_backend: str = "auto",
                  sharded: bool = True, max_num_batched_tokens: int | None = None, overlap: bool = True,
-                 decode_steps: int = 1, kv_cache_dtype: str = "auto", temperature: float = 0.0) -> dict:
+                 decode_steps: int = 1, kv_cache_dtype: str = "auto", temperature: float = 0.0,
+                 lora: str = "0") -> dict:
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from jaxserve.engine.attention import resolve_backend
     from jaxserve.engine.build import EngineConfig, build_engine, compile_engine
@@ -67,12 +71,15 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
                                                 else matmul_backend, ready.loaded.model.dtype),
         overlap=overlap,
     )
+    lora_name = _add_lora(ready.loaded.model, lora)
     engine = build_engine(ready.loaded.model, ready.tokenizer, config, compile=False)
+    if lora_name is not None:
+        _random_adapter(engine, lora_name)
     compile_s = compile_engine(engine)
     # temperature > 0: every row draws (seeded, so runs are repeatable), as the OpenAI API's default
     # of 1 makes most requests do; HF's baseline stays greedy.
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                            seed=1 if temperature > 0 else None)
+                            seed=1 if temperature > 0 else None, lora=lora_name)
     results = {}
     for c in concurrency:
         for round_ in ("warm-up", "timed"):
@@ -96,6 +103,32 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
                       "median_step_ms": 1000 * statistics.median(step_times), "steps": engine.num_steps - steps_before}
     return {"compile_s": compile_s, "attention": config.attention_backend, "matmul": config.matmul_backend,
             "per_concurrency": results}
+
+
+def _add_lora(decoder, lora: str) -> str | None:
+    """`lora` "SLOTSxRANK": that many adapter slots of that rank on every projection ("0": none)."""
+    if lora == "0":
+        return None
+    from jaxserve.models.lora import add_lora_slots
+    from jaxserve.weights.lora_adapter import TARGETS
+
+    slots, rank = (int(x) for x in lora.split("x"))
+    add_lora_slots(decoder, slots, rank, TARGETS)
+    return "bench"
+
+
+def _random_adapter(engine, name: str) -> None:
+    """A random adapter of the slots' rank on every projection, in slot 0 (no files needed)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    slots = engine.lora
+    rng = np.random.default_rng(0)
+    factors = {(layer, proj): (rng.normal(0, 0.02, (d_in, slots.rank)), rng.normal(0, 0.02, (slots.rank, d_out)))
+               for layer in range(slots.num_layers) for proj, (d_in, d_out) in slots.shapes.items()}
+    loaded = slots.add(name, Path("random"), slots.rank, slots.targets)
+    engine.runner.write_lora_slot(loaded.slot, slots.rank, factors)
 
 
 def run_hf(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
@@ -153,6 +186,9 @@ def main() -> None:
                    help="the KV cache's dtype, as the server's flag; several run in turn")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="jaxserve's sampling temperature (0: greedy; > 0: every row draws, seeded)")
+    p.add_argument("--lora", nargs="+", default=["0"],
+                   help="LoRA adapter slots as SLOTSxRANK on every projection (0: none), each its own run; "
+                   "requests decode with a random adapter in the first slot")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:
@@ -172,17 +208,18 @@ def main() -> None:
         for layout in args.layouts:
             for matmul in args.matmul_backend:
                 for k in args.decode_steps:
-                    for kv in args.kv_cache_dtype:
+                    for kv, lora in ((kv, lora) for kv in args.kv_cache_dtype for lora in args.lora):
                         key = layout if len(args.matmul_backend) == 1 else f"{layout}/{matmul}"
                         key += f"/K{k}" if len(args.decode_steps) > 1 else ""
                         key += f"/kv {kv}" if len(args.kv_cache_dtype) > 1 else ""
+                        key += f"/lora {lora}" if len(args.lora) > 1 else ""
                         entry[key] = run_jaxserve(args.model, dtype, args.concurrency, args.input_len, args.output_len,
                                                   load_format=args.load_format,
                                                   attention_backend=args.attention_backend, matmul_backend=matmul,
                                                   sharded=layout == "sharded",
                                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                                   overlap=not args.no_overlap, decode_steps=k, kv_cache_dtype=kv,
-                                                  temperature=args.temperature)
+                                                  temperature=args.temperature, lora=lora)
                         gc.collect()  # one run's weights and KV cache must be gone before the next loads
         if hf_baseline:
             entry["hf"] = run_hf(args.model, dtype, args.concurrency, args.input_len, args.output_len)

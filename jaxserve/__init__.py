@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from jaxserve.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from jaxserve.llm import LoRARequest
+
+        return LoRARequest
     if name == "BeamSearchParams":
         from jaxserve.llm import BeamSearchParams
 

@@ -252,14 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapter_model.safetensors) adapting the q/k/v/o and gate/up/down projections. A request "
                    "selects one by its name as the model (OpenAI `model`, SGLang `lora_path`, Triton's model "
                    "name); /v1/models lists them. Any mix of adapters and the base model decodes in one batch; "
-                   "each adapter costs 2 x rank x (in + out) multiply-adds per token per projection. Loaded at "
-                   "start-up (not at run time)")
-    e.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
-                   help="with --lora-modules: the rank every adapter is padded to (an adapter above it is "
-                   "refused). Default: the largest rank among them")
+                   "each adapter slot costs 2 x rank x (in + out) multiply-adds per token per projection")
     e.add_argument("--enable-lora", action="store_true",
-                   help="vLLM's switch for LoRA serving; here --lora-modules alone serves adapters, and this "
-                   "flag is accepted for vLLM command lines")
+                   help="LoRA adapters may be loaded and unloaded while serving: POST /v1/load_lora_adapter and "
+                   "/v1/unload_lora_adapter (vLLM's) or /load_lora_adapter and /unload_lora_adapter (SGLang's), "
+                   "body {\"lora_name\": ..., \"lora_path\": ...}. They read any adapter directory the server "
+                   "can: protect them with --api-key. The adapter slots then cover every projection")
+    e.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapter slots: how many adapters can be loaded at once (all of them can decode in "
+                   "one batch). Default: one per --lora-modules adapter, or 1 with --enable-lora")
+    e.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="the rank of the adapter slots: adapters of a lower rank are padded with zeros, higher "
+                   "ranks are refused. Default: the largest --lora-modules rank, and at least 16 with "
+                   "--enable-lora")
     e.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="with --speculative-method: most draft tokens a verify step checks per sequence (the "
                    "verify steps are compiled for K + 1 tokens a row); requests may ask fewer with "
@@ -535,10 +540,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.speculative_method == "draft" and args.speculative_model is None:
         raise ConfigError("--speculative-method draft needs --speculative-model PATH")
     lora_modules = _lora_modules(args.lora_modules, names)
-    if args.max_lora_rank is not None and args.max_lora_rank < 1:
-        raise ConfigError(f"--max-lora-rank must be >= 1, got {args.max_lora_rank}")
-    if args.max_lora_rank is not None and not lora_modules:
-        raise ConfigError("--max-lora-rank sizes the adapters of --lora-modules, and none are given")
+    for flag in ("max_loras", "max_lora_rank"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not (lora_modules or args.enable_lora):
+            raise ConfigError(f"--{flag.replace('_', '-')} sizes LoRA adapter slots, which need --lora-modules or "
+                              "--enable-lora")
+    if args.max_loras is not None and args.max_loras < len(lora_modules):
+        raise ConfigError(f"--max-loras {args.max_loras} is fewer than the {len(lora_modules)} adapters of "
+                          "--lora-modules")
+    if args.max_loras is not None and args.max_loras > len(lora_modules) and not args.enable_lora:
+        # Slots nothing could fill, which every token would pay for.
+        raise ConfigError(f"--max-loras {args.max_loras}: more slots than the {len(lora_modules)} adapters of "
+                          "--lora-modules, and without --enable-lora nothing else can be loaded into them")
     if args.num_speculative_tokens < 1:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if not 1 <= args.max_ngram_size <= MAX_NGRAM_SIZE:
@@ -579,6 +594,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             load_format=args.load_format,
             speculative_model=args.speculative_model,
             lora_modules=lora_modules,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             hf_overrides=args.hf_overrides,
             generation_config=args.generation_config,
@@ -664,11 +681,14 @@ def _media_policy(args: argparse.Namespace) -> MediaPolicy:
                        max_images=max_images)
 
 
-def _lora_modules(texts: list[str], served: list[str]) -> tuple[Any, ...]:
+def _lora_modules(texts: Any, served: list[str]) -> tuple[Any, ...]:
     """--lora-modules parsed (jaxserve.weights.lora_adapter.LoraModuleSpec), names unique and none
-    a served model name (a request's model picks one or the other)."""
+    a served model name (a request's model picks one or the other). A YAML --config may give one
+    entry as a scalar, and entries as mappings."""
     from jaxserve.weights.lora_adapter import LoraModuleSpec
 
+    if isinstance(texts, (str, dict)):
+        texts = [texts]
     try:
         specs = tuple(LoraModuleSpec.parse(text) for text in texts)
     except ValueError as e:
@@ -709,7 +729,8 @@ _GENERATION_ONLY = {
     "--limit-mm-per-prompt / --allowed-local-media-path / --allow-remote-media / --max-image-* / "
     "--media-fetch-timeout": "media",
     "--mm-processor-kwargs": "model.mm_processor_kwargs",
-    "--lora-modules / --max-lora-rank": "model.lora_modules",
+    "--lora-modules": "model.lora_modules", "--enable-lora": "model.enable_lora", "--max-loras": "model.max_loras",
+    "--max-lora-rank": "model.max_lora_rank",
 }
 
 
@@ -845,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           cors=cors_policy(srv), request_id_headers=srv.request_id_headers,
                           sampling_defaults=config.model.sampling_defaults,
                           return_tokens_as_token_ids=srv.return_tokens_as_token_ids,
-                          max_stored_responses=srv.max_stored_responses)
+                          max_stored_responses=srv.max_stored_responses, runtime_lora=config.model.enable_lora)
 
     srv = config.server
     try:

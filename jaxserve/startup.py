@@ -20,6 +20,8 @@ from jaxserve.tokenizer import Tokenizer, load_tokenizer
 from jaxserve.weights import LoadedModel, load_model
 from jaxserve.weights.source import ModelSource
 
+DEFAULT_LORA_RANK = 16  # vLLM's --max-lora-rank default
+
 log = logging.getLogger("jaxserve")
 
 if TYPE_CHECKING:
@@ -174,21 +176,35 @@ def check_lora_sources(cfg: ModelConfig) -> None:
                                "adapter_config.json)")
 
 
-def attach_lora_modules(decoder: Any, cfg: ModelConfig) -> None:
-    """Read --lora-modules against the loaded model and give it their factors (one slot each)."""
-    if not cfg.lora_modules:
+def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> None:
+    """Give the loaded model its LoRA adapter slots: --max-loras of them (default: one per
+    --lora-modules adapter, or one with --enable-lora), of rank --max-lora-rank (default: the
+    largest adapter's, at least vLLM's 16 with --enable-lora), on the projections the adapters
+    adapt (all seven with --enable-lora: adapters loaded later may adapt any)."""
+    if not cfg.lora_modules and not cfg.enable_lora:
         return
-    from jaxserve.models.lora import attach_adapters, target_shapes
-    from jaxserve.weights.lora_adapter import load_adapter
+    if cfg.enable_lora and jax.process_count() > 1:
+        raise ValueError("--enable-lora: an adapter loaded while serving would reach process 0's devices only; "
+                         "give a multi-host server its adapters with --lora-modules")
+    from jaxserve.models.lora import add_lora_slots, target_shapes
+    from jaxserve.weights.lora_adapter import TARGETS, load_adapter
 
     shapes = target_shapes(decoder)
     adapters = [load_adapter(spec, decoder.cfg.num_layers, shapes) for spec in cfg.lora_modules]
-    rank = cfg.max_lora_rank or max(a.rank for a in adapters)
-    attach_adapters(decoder, adapters, rank)
-    for a in adapters:
-        log.info("LoRA adapter %s: rank %d on %s", a.name, a.rank, ", ".join(a.targets))
-    log.info("LoRA: %d adapter(s) padded to rank %d, decoded beside the base model in one batch", len(adapters),
-             rank)
+    targets = tuple(TARGETS) if cfg.enable_lora else tuple(sorted({t for a in adapters for t in a.targets}))
+    rank = cfg.max_lora_rank or max([DEFAULT_LORA_RANK if cfg.enable_lora else 1, *(a.rank for a in adapters)])
+    slots = cfg.max_loras or max(len(adapters), 1)
+    if slots < len(adapters):
+        raise ValueError(f"--max-loras {slots} is fewer than the {len(adapters)} adapters of --lora-modules")
+    add_lora_slots(decoder, slots, rank, targets)
+    log.info("LoRA: %d adapter slot(s) of rank %d on %s%s", slots, rank, ", ".join(targets),
+             "; adapters may be loaded and unloaded at run time" if cfg.enable_lora else "")
+
+
+def load_lora_modules(engine: "Engine", cfg: ModelConfig) -> None:
+    """Load --lora-modules into the engine's adapter slots."""
+    for spec in cfg.lora_modules:
+        engine.load_lora(spec.name, spec.path)
 
 
 def start_engine(config: "Config", default_max_model_len: int | None = None,
@@ -252,7 +268,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
         log.info("speculative decoding: %s (prompt lookup), up to %d draft tokens per verify step, n-grams of up "
                  "to %d tokens", scheduler.speculative_method, scheduler.num_speculative_tokens,
                  scheduler.max_ngram_size)
-    attach_lora_modules(ready.loaded.model, config.model)
+    add_lora_capacity(ready.loaded.model, config.model)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,
@@ -261,6 +277,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
                           eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft, encoder=encoder)
+    load_lora_modules(engine, config.model)
     loaded = time.perf_counter()
     compile_engine(engine)
     if encoder is not None:

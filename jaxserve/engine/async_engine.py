@@ -102,6 +102,23 @@ class AsyncEngine(EngineThread):
         self._send(("reset_prefix_cache", loop, done))
         return await done
 
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Load a LoRA adapter into a free slot (Engine.load_lora): its files are read on a worker
+        thread, and only the write into the slot waits for the engine thread, between two steps.
+        Raises LoraRefused or WeightsError (ValueErrors)."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("lora", "add", (adapter, path, replace), loop, done))
+        await done
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload a LoRA adapter (Engine.unload_lora) between two steps; raises its ValueError."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("lora", "unload", (name,), loop, done))
+        await done
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _tick(self) -> bool:
         if not self.engine.has_unfinished():
@@ -142,6 +159,14 @@ class AsyncEngine(EngineThread):
         elif command[0] == "reset_prefix_cache":
             _, loop, done = command
             post(loop, done, self.engine.reset_prefix_cache())
+        elif command[0] == "lora":
+            _, action, args, loop, done = command
+            try:
+                (self.engine.add_lora if action == "add" else self.engine.unload_lora)(*args)
+            except Exception as e:  # a refusal or unreadable files: the caller's error, and the slot stays free
+                post(loop, done, e)
+                return
+            post(loop, done, None)
 
     def _fail(self, error: EngineDeadError) -> None:
         for request_id in list(self._streams):
@@ -152,6 +177,8 @@ class AsyncEngine(EngineThread):
             post(command[5], command[7], error)
         elif command[0] == "reset_prefix_cache":
             post(command[1], command[2], error)
+        elif command[0] == "lora":
+            post(command[3], command[4], error)
 
     def _close(self) -> None:
         for request_id in list(self._streams):

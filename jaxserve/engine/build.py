@@ -21,6 +21,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.core import Engine, ImageEncoder
 from jaxserve.engine.drafting import DraftingRunner
+from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.info import EngineInfo
 from jaxserve.engine.kv_cache import (
     bytes_per_page,
@@ -96,7 +97,9 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       jax.local_devices()[0])
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
-    builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds)
+    lora = _lora_slots(decoder)
+    builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds,
+                             lora=lora)
     reserve = 0
     if config.cache.num_pages is None and jax.local_devices()[0].platform != "cpu":
         reserve = step_scratch_bytes(decoder, config, blocks)
@@ -127,10 +130,16 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       default_confidence_threshold=(sched.default_confidence_threshold
                                                     if sched.speculative_method == "draft" else None),
                       embed_dim=cfg.hidden_size if config.enable_prompt_embeds else 0,
-                      accepts_images=encoder is not None, lora_names=decoder.lora_names)
+                      accepts_images=encoder is not None, max_loras=decoder.lora_slots,
+                      max_lora_rank=decoder.lora_rank)
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     engine.encoder = encoder
+    engine.lora = lora
+    if lora is not None:
+        # An empty write into slot 0 (all zeros still) compiles the slot writers now, not while a
+        # request waits on the first adapter loaded at run time.
+        runner.write_lora_slot(0, lora.rank, {})
     if config.check_integrity:
         engine.on_idle = engine.check_idle_integrity
     if compile:
@@ -159,8 +168,18 @@ def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | No
     return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
 
 
+def _lora_slots(decoder: Decoder) -> LoraSlots | None:
+    """The bookkeeping of the model's LoRA adapter slots (None: it has none)."""
+    if not decoder.lora_slots:
+        return None
+    from jaxserve.models.lora import slot_targets, target_shapes
+
+    return LoraSlots(decoder.lora_slots, decoder.lora_rank, slot_targets(decoder), decoder.cfg.num_layers,
+                     target_shapes(decoder))
+
+
 def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = (),
-                   takes_embeds: bool = False) -> StepInputBuilder:
+                   takes_embeds: bool = False, lora: LoraSlots | None = None) -> StepInputBuilder:
     sched = config.scheduler
     return StepInputBuilder(
         embed_dim=decoder.cfg.hidden_size if takes_embeds else 0, embed_dtype=np.dtype(decoder.dtype),
@@ -169,7 +188,7 @@ def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, .
         vocab_size=decoder.cfg.vocab_size, page_size=config.cache.page_size,
         max_pages_per_seq=math.ceil(sched.max_model_len / config.cache.page_size), buckets=BucketTable(sched),
         max_prefill_seqs=sched.max_prefill_seqs, decode_steps=sched.decode_steps,
-        row_params=lambda seq: row_params(seq, eos_ids, decoder.lora_names),
+        row_params=lambda seq: row_params(seq, eos_ids, lora.slot_of if lora is not None else None),
         num_speculative_tokens=sched.num_speculative_tokens if sched.speculative_method else 0,
         draft_model=sched.speculative_method == "draft")
 

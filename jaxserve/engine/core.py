@@ -29,11 +29,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxserve.engine.beam import BeamSearch, max_beam_width
 from jaxserve.engine.embeds import EmbedSpan, ImageItem, cache_ids, check_spans
 from jaxserve.engine.info import EngineInfo, Stats
+from jaxserve.engine.lora_slots import LoadedLora, LoraRefused, LoraSlots
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
 from jaxserve.engine.output import RequestOutput, SequenceText, TokenLogprob
 from jaxserve.engine.postprocess import Accepted, Postprocessor, Request
@@ -44,6 +46,9 @@ from jaxserve.engine.rows import MAX_BANNED_IDS
 from jaxserve.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from jaxserve.engine.step_inputs import PromptTargets, StepCommands, StepInputBuilder
 from jaxserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.weights.lora_adapter import LoraAdapter
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -155,6 +160,7 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._beam_results: list[RequestOutput] = []  # beam searches that ended, not returned yet
         self.encoder: ImageEncoder | None = None  # a vision model's (jaxserve.engine.vision_encoder)
+        self.lora: LoraSlots | None = None  # the model's LoRA adapter slots (jaxserve.engine.build)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -168,8 +174,9 @@ class Engine:
         images, embeds = list(images), list(embeds)
         self._check_inputs(prompt_ids, images, embeds)
         params.validate(self.info.vocab_size, self.info.max_n)
-        if params.lora is not None and params.lora not in self.info.lora_names:
-            loaded = ", ".join(self.info.lora_names) or "none: the server was started without --lora-modules"
+        if params.lora is not None and (self.lora is None or self.lora.get(params.lora) is None):
+            loaded = (", ".join(self.lora.names) or "none") if self.lora is not None else \
+                "none: the model was started without LoRA adapter slots (--lora-modules, --enable-lora)"
             raise InvalidRequestError("lora", f"no LoRA adapter named {params.lora!r} is loaded ({loaded})")
         params = speculation_defaults(params, self.info)
         check_speculation(params, self.info)
@@ -201,7 +208,8 @@ class Engine:
                            seed=(base_seed + i) % 2**32,
                            matcher=grammar.matcher() if grammar is not None else None, beam=group,
                            embeds=spans, prompt_keys=cache_ids(prompt_ids, spans) if spans else None,
-                           rope_positions=rope, rope_delta=delta)
+                           rope_positions=rope, rope_delta=delta,
+                           lora_key=self.lora.get(params.lora).key if params.lora is not None else None)
             if group is not None:
                 self.scheduler.start_beams(group, seq)
             seqs.append(seq)
@@ -302,6 +310,59 @@ class Engine:
 
     def abort_all(self) -> list[RequestOutput]:
         return [out for request_id in list(self.requests) if (out := self.abort(request_id)) is not None]
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+    def read_lora(self, name: str, path: Path | str) -> "LoraAdapter":
+        """Read and check the PEFT adapter in `path` against the model (files only: any thread may
+        call it, so the engine thread need not wait on the disk). Raises LoraRefused or
+        WeightsError (both ValueErrors)."""
+        from jaxserve.weights.lora_adapter import LoraModuleSpec, load_adapter
+
+        if self.lora is None:
+            raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
+        return load_adapter(LoraModuleSpec(name, Path(path)), self.lora.num_layers, self.lora.shapes)
+
+    def add_lora(self, adapter: "LoraAdapter", path: Path | str, replace: bool = False) -> LoadedLora:
+        """Write a read adapter (`read_lora`) into a free slot: requests naming it decode with it
+        from the next step on. replace: an adapter already loaded under its name is unloaded
+        first, once the new one is known to fit (vLLM's load_inplace)."""
+        if self.lora is None:
+            raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
+        name, targets = adapter.name, tuple(adapter.targets)
+        if replace and self.lora.get(name) is not None:
+            self.lora.check_adapter(name, adapter.rank, targets)
+            self.unload_lora(name)
+        slot = self.lora.add(name, Path(path), adapter.rank, targets)
+        # On this thread while the dispatch thread may be running a step: safe, because the slot
+        # written is one no row reads until this returns, and the new arrays replace the old
+        # ones (never donated) that a step already dispatched keeps reading.
+        try:
+            self.runner.write_lora_slot(slot.slot, self.lora.rank, adapter.factors)
+        except BaseException:
+            self.lora.remove(name)
+            raise
+        log.info("LoRA adapter %s loaded from %s into slot %d: rank %d on %s", name, path, slot.slot, adapter.rank,
+                 ", ".join(targets))
+        return slot
+
+    def load_lora(self, name: str, path: Path | str, replace: bool = False) -> LoadedLora:
+        """`read_lora` then `add_lora`."""
+        if self.lora is not None and not replace:
+            self.lora.check_fits(name, 0, ())  # the name and a free slot, before the files are read
+        return self.add_lora(self.read_lora(name, path), path, replace)
+
+    def unload_lora(self, name: str) -> None:
+        """Free `name`'s adapter slot. Refused while a request decodes with it. Its cached prefix
+        pages hang from its load's own key (LoadedLora.key): nothing else reads them, and they
+        age out of the cache."""
+        if self.lora is None:
+            raise LoraRefused("this model has no LoRA adapter slots")
+        users = sum(1 for req in self.requests.values() if req.params.lora == name)
+        if users:
+            raise LoraRefused(f"LoRA adapter {name!r} is in use by {users} running request(s); unload it once they "
+                              "end")
+        self.lora.remove(name)
+        log.info("LoRA adapter %s unloaded", name)
 
     def reset_prefix_cache(self) -> int:
         """Forget the prefix cache: every cached page no sequence holds goes back to the free list

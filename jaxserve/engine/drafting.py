@@ -62,6 +62,9 @@ class DraftingRunner:
     def params(self) -> Any:
         return self.target.params
 
+    def write_lora_slot(self, slot: int, rank: int, factors: dict) -> None:  # the served model's adapters
+        self.target.write_lora_slot(slot, rank, factors)
+
     def execute(self, step: StepCommands) -> StepHandle:
         outputs = {}
         for command in step.commands:

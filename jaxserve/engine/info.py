@@ -35,8 +35,10 @@ class EngineInfo:
     # server takes none: --enable-prompt-embeds is off), and whether a vision encoder takes images.
     embed_dim: int = 0
     accepts_images: bool = False
-    # The LoRA adapters requests may name (SamplingParams.lora), in slot order (--lora-modules).
-    lora_names: tuple[str, ...] = ()
+    # LoRA adapters (jaxserve.engine.lora_slots): how many can be loaded at once, of what rank at
+    # most (0: the model has no adapter slots).
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,10 @@ def page_hash(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
 
 
 def salted_root(salt: str | None, lora: str | None = None) -> bytes | None:
-    """The parent of a request's first page under vLLM's cache_salt and its LoRA adapter: requests
-    share cached pages only with requests that carry the same salt and decode with the same
-    adapter, whose K/V the pages hold (None for both: the common cache of the base model)."""
+    """The parent of a request's first page under vLLM's cache_salt and its LoRA adapter's load
+    (Sequence.lora_key): requests share cached pages only with requests that carry the same salt
+    and decode with the same adapter, whose K/V the pages hold (None for both: the common cache of
+    the base model)."""
     if salt is None and lora is None:
         return None
     root = _ROOT_HASH
@@ -206,7 +207,7 @@ class PageAllocator:
         first = num_full
         while first > 0 and seq.pages[first - 1] not in self._page_hash:
             first -= 1
-        parent = self._page_hash[seq.pages[first - 1]] if first else salted_root(seq.params.cache_salt, seq.params.lora)
+        parent = self._page_hash[seq.pages[first - 1]] if first else salted_root(seq.params.cache_salt, seq.lora_key)
         size = self.page_size
         for i in range(first, num_full):
             page = seq.pages[i]

@@ -334,7 +334,7 @@ def copy_pages(kv: KVCache, inp: Payload) -> KVCache:
 def _lora_slots(model: Decoder, batch: DeviceBatch, slots: jax.Array) -> jax.Array | None:
     """The LoRA adapter of each of these batch rows (None for a model without adapters, whose
     steps never read the rows' adapters)."""
-    return batch.rows["lora"][slots] if model.lora_names else None
+    return batch.rows["lora"][slots] if model.lora_slots else None
 
 
 def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:

@@ -260,6 +260,9 @@ class Sequence:
     # axis at the token's index) and the offset every later token's position takes (index + delta).
     rope_positions: Any = None
     rope_delta: int = 0
+    # Its LoRA adapter's load (jaxserve.engine.lora_slots.LoadedLora.key): the prefix cache's
+    # pages of its prompt are that load's alone. None: the base model.
+    lora_key: str | None = None
 
     @property
     def num_tokens(self) -> int:

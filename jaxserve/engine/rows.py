@@ -10,7 +10,7 @@ is dropped silently.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -119,10 +119,11 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def row_params(seq: Seq, eos_ids: Iterable[int], lora_names: Sequence[str] = ()) -> RowParams:
+def row_params(seq: Seq, eos_ids: Iterable[int], lora_slot: Callable[[str], int] | None = None) -> RowParams:
     """The row of a running sequence: its request's parameters, its own seed, the bans that never
-    change (single-token bad words), the ids that end it, and its LoRA adapter's slot in
-    `lora_names` (the engine checked the name when the request came)."""
+    change (single-token bad words), the ids that end it, and its LoRA adapter's slot
+    (`lora_slot(name)`, jaxserve.engine.lora_slots; the engine checked the name when the request
+    came)."""
     p = seq.params
     want = p.logprobs if p.logprobs is not None else (0 if p.best_of and p.best_of > p.n else -1)
     end_ids = p.end_ids(eos_ids)
@@ -135,7 +136,7 @@ def row_params(seq: Seq, eos_ids: Iterable[int], lora_names: Sequence[str] = ())
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, banned_ids=current_bans(seq),
         end_ids=sorted(end_ids), min_tokens=p.min_tokens, seed=seq.seed, num_logprobs=MAX_TOP_LOGPROBS if beam else want,
         processed_logprobs=p.processed_logprobs, constrained=seq.matcher is not None,
-        lora=-1 if p.lora is None else list(lora_names).index(p.lora),
+        lora=-1 if p.lora is None or lora_slot is None else lora_slot(p.lora),
     )
 
 

@@ -144,6 +144,14 @@ class ModelRunner:
         # Multi-host: the leader sends each command here before running it (set by the builder).
         self.channel: Any = None
 
+    def write_lora_slot(self, slot: int, rank: int, factors: dict[tuple[int, str], Any]) -> None:
+        """Write a LoRA adapter's factors into adapter slot `slot` (jaxserve.models.lora.write_slot);
+        the next step reads them."""
+        from jaxserve.models import lora
+
+        lora.write_slot(self.param_leaves, lora.slot_leaves(self.params), slot, rank, factors)
+        self.params = jax.tree.unflatten(self.programs.param_treedef, self.param_leaves)
+
     @property
     def min_rows(self) -> int:
         return self.programs.min_rows

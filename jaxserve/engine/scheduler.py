@@ -361,7 +361,7 @@ class Scheduler:
             if self._slots_needed(seq) > len(self._free_slots):
                 return
             tokens = self._matchable_tokens(seq)
-            root = salted_root(seq.params.cache_salt, seq.params.lora)
+            root = salted_root(seq.params.cache_salt, seq.lora_key)
             cached, num_cached = self.allocator.peek_prefix(tokens, root)
             end = min(seq.num_tokens, num_cached + budget)
             num_new = self.allocator.pages_for(end) - len(cached)
@@ -591,7 +591,7 @@ class Scheduler:
                        params=parent.params, max_total_tokens=parent.max_total_tokens, priority=parent.priority,
                        arrival=parent.arrival, sample_index=index, seed=parent.seed, beam=group,
                        embeds=parent.embeds, prompt_keys=parent.prompt_keys, rope_positions=parent.rope_positions,
-                       rope_delta=parent.rope_delta)
+                       rope_delta=parent.rope_delta, lora_key=parent.lora_key)
         if running:
             seq.status = SequenceStatus.RUNNING
             seq.slot = group.spare_slots.pop()

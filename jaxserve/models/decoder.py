@@ -179,8 +179,8 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
         # [vocab, hidden], HF's own orientation, so a tied head is the embedding itself.
         self.lm_head = None if cfg.tie_word_embeddings else zeros_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        # LoRA adapters' slots, in order, and their common rank (jaxserve.models.lora.attach_adapters).
-        self.lora_names: tuple[str, ...] = ()
+        # LoRA adapter slots and their rank (jaxserve.models.lora.add_lora_slots); 0: none.
+        self.lora_slots = 0
         self.lora_rank = 0
 
     def embed(self, tokens: Array) -> Array:
@@ -199,8 +199,8 @@ class Decoder(nnx.Module):
         input_embeds), taken as it is (no embedding scale, as HF's inputs_embeds). Returns
         final-normed hidden [b, t, hidden] and the new cache. rope_positions: an M-RoPE model's
         [b, t, 3] positions (which, unlike `positions`, the masks and the cache never read);
-        None: every axis at `positions`. lora_slots: [b, t] each token's LoRA adapter
-        (`lora_names` index; -1 or None: the base model)."""
+        None: every axis at `positions`. lora_slots: [b, t] each token's LoRA adapter slot (-1 or
+        None: the base model)."""
         x = self.embed(tokens)
         if embeds is not None:
             values, mask = embeds
@@ -211,10 +211,10 @@ class Decoder(nnx.Module):
                            self.cfg.mrope_section)
         per_layer = [(jnp.int32(window), jnp.int32(i)) for i, window in enumerate(self.cfg.windows())]
         lora_mask = None
-        if self.lora_names and lora_slots is not None:
+        if self.lora_slots and lora_slots is not None:
             from jaxserve.models.lora import token_mask
 
-            lora_mask = token_mask(lora_slots, len(self.lora_names), self.lora_rank, x.dtype)
+            lora_mask = token_mask(lora_slots, self.lora_slots, self.lora_rank, x.dtype)
         x, cache = run_layers(self.layers, _layer_body, (x, cache), (rope, attend, lora_mask), per_layer)
         return self.norm(x), cache
 

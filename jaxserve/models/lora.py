@@ -1,9 +1,10 @@
 """LoRA adapters served beside the base model, any mix of them in one batch (multi-LoRA, as
 vLLM's punica kernels and SGLang's S-LoRA batching do).
 
-Every adapter the server loads has a slot: a targeted projection's Linear holds `lora_a`
-[in, S * r] and `lora_b` [S * r, out], the S adapters' factors side by side, each padded with
-zeros to the rank r (jaxserve.weights.lora_adapter.stack_adapters), the scale folded into b.
+The model is given S adapter slots of rank r (`add_lora_slots`): a targeted projection's Linear
+holds `lora_a` [in, S * r] and `lora_b` [S * r, out], the slots' factors side by side, each
+adapter padded with zeros to the rank r, its scale folded into b. The runner writes an adapter
+into a free slot when it is loaded (`write_slot`; jaxserve.engine.lora_slots keeps which).
 A step knows each token's slot (-1: the base model) and computes, for every projection an
 adapter targets,
 
@@ -20,6 +21,8 @@ q/k/v/gate/up, `lora_a` by the input rows of o/down, and GSPMD adds the small al
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.weights.lora_adapter import TARGETS, LoraAdapter, stack_adapters
+from jaxserve.weights.lora_adapter import TARGETS
 
 Array = jax.Array
 
@@ -39,34 +42,100 @@ def target_shapes(decoder: Any) -> dict[str, tuple[int, int]]:
             for proj, (part, _) in TARGETS.items()}
 
 
-def attach_adapters(decoder: Any, adapters: list[LoraAdapter], rank: int) -> None:
-    """Give `decoder`'s projections the adapters' stacked factors, in its dtype and (under tensor
-    parallelism) its parameters' mesh; `decoder.lora_names` then names the slots in order."""
+def slot_targets(decoder: Any) -> tuple[str, ...]:
+    """The projections that have adapter slots (PEFT module names)."""
+    layer = decoder.layers[0]
+    return tuple(proj for proj, (part, _) in TARGETS.items()
+                 if getattr(getattr(getattr(layer, part), proj), "lora_a", None) is not None)
+
+
+def add_lora_slots(decoder: Any, num_slots: int, rank: int, targets: Iterable[str], abstract: bool = False,
+                   dtype: Any = None) -> None:
+    """Give every layer's `targets` projections `num_slots` empty adapter slots of rank `rank`
+    (zero factors, under tensor parallelism on the parameters' mesh). Adapters are written into
+    them by the runner (`write_slot`). abstract: ShapeDtypeStructs instead of arrays, for a model
+    built by nnx.eval_shape (jaxserve.plan). dtype: the factors' (`factor_dtype` by default)."""
     from jaxserve.parallel import ShardingPlan, mesh_of
 
-    if not adapters:
-        return
-    names = [a.name for a in adapters]
-    if len(set(names)) != len(names):
-        raise ValueError(f"LoRA adapter names must be unique, got {names}")
+    if num_slots < 1 or rank < 1:
+        raise ValueError(f"LoRA slots need num_slots >= 1 and rank >= 1, got {num_slots} and {rank}")
     cfg = decoder.cfg
+    dtype = dtype or factor_dtype(decoder.dtype, jax.devices()[0].platform)
     mesh = mesh_of(nnx.state(decoder))
     plan = ShardingPlan(mesh, cfg) if mesh is not None else None
-    stacked = stack_adapters(adapters, rank, cfg.num_layers, target_shapes(decoder))
+    shapes = target_shapes(decoder)
 
-    def place(path: tuple, value: np.ndarray) -> nnx.Param:
-        array = jnp.asarray(value, decoder.dtype)
-        if plan is not None:
-            array = jax.device_put(array, plan.param_sharding(path, value.shape))
-        return nnx.Param(array)
+    def zeros(path: tuple, shape: tuple[int, int]) -> nnx.Param:
+        if abstract:
+            return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
+        sharding = plan.param_sharding(path, shape) if plan is not None else None
+        return nnx.Param(jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)())
 
-    for (layer, proj), (a, b) in stacked.items():
-        part, _ = TARGETS[proj]
-        linear = getattr(getattr(decoder.layers[layer], part), proj)
-        linear.lora_a = place(("layers", layer, part, proj, "lora_a"), a)
-        linear.lora_b = place(("layers", layer, part, proj, "lora_b"), b)
-    decoder.lora_names = tuple(names)
+    for layer in range(cfg.num_layers):
+        for proj in sorted(set(targets)):
+            part, _ = TARGETS[proj]
+            d_in, d_out = shapes[proj]
+            linear = getattr(getattr(decoder.layers[layer], part), proj)
+            linear.lora_a = zeros(("layers", layer, part, proj, "lora_a"), (d_in, num_slots * rank))
+            linear.lora_b = zeros(("layers", layer, part, proj, "lora_b"), (num_slots * rank, d_out))
+    decoder.lora_slots = num_slots
     decoder.lora_rank = rank
+
+
+def factor_dtype(model_dtype: Any, platform: str) -> Any:
+    """The factors' dtype: the model's, except float32 on the CPU, where XLA multiplies a
+    bfloat16 row by a small matrix in a plain loop. SmolLM2's 30 layers of factors, one row
+    (benchmarks/RESULTS.md): 4.8 ms in bfloat16 against 2.0 in float32 at one slot of rank 16,
+    39 against 5.4 ms at four."""
+    return jnp.float32 if platform == "cpu" else model_dtype
+
+
+def slot_leaves(params: Any) -> dict[tuple[int, str, str], int]:
+    """Where each LoRA factor is among `params`' leaves (jax.tree order, the steps' flat
+    parameters): (layer, projection, "lora_a" | "lora_b") -> leaf index."""
+    out = {}
+    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if len(keys) >= 5 and keys[0] == "layers" and keys[-1] in ("lora_a", "lora_b"):
+            out[(int(keys[1]), str(keys[3]), str(keys[-1]))] = i
+    return out
+
+
+def write_slot(leaves: list[Any], where: dict[tuple[int, str, str], int], slot: int, rank: int,
+               factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]) -> None:
+    """Write one adapter's factors (jaxserve.weights.lora_adapter.LoraAdapter.factors) into `slot`
+    of the parameters' `leaves`, in place of the old arrays: its rank's columns of every a and
+    rows of every b, zeros past its rank and on projections it does not adapt. New arrays, not
+    donated ones: a step already dispatched still reads the old."""
+    for (layer, proj, factor), index in where.items():
+        old = leaves[index]
+        a, b = factors.get((layer, proj), (None, None))
+        if factor == "lora_a":
+            block = np.zeros((old.shape[0], rank), np.float32)
+            if a is not None:
+                block[:, : a.shape[1]] = a
+            leaves[index] = _write(old, block, 1, slot * rank)
+        else:
+            block = np.zeros((rank, old.shape[1]), np.float32)
+            if b is not None:
+                block[: b.shape[0]] = b
+            leaves[index] = _write(old, block, 0, slot * rank)
+
+
+def _write(array: Array, block: np.ndarray, axis: int, start: int) -> Array:
+    # The block goes in as host data (every process of a multi-host job passes the same), not as
+    # an array on one device beside the global parameter.
+    return _writer(array.sharding, axis)(array, np.asarray(block, array.dtype), np.int32(start))
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(sharding: Any, axis: int) -> Any:
+    """A jitted block write that keeps the array's own sharding (one per sharding and axis)."""
+    def write(array: Array, block: Array, start: Array) -> Array:
+        index = (0, start) if axis == 1 else (start, 0)
+        return jax.lax.dynamic_update_slice(array, block, index)
+
+    return jax.jit(write, out_shardings=sharding)
 
 
 def token_mask(slots: Array, num_adapters: int, rank: int, dtype: Any) -> Array:
@@ -76,7 +145,8 @@ def token_mask(slots: Array, num_adapters: int, rank: int, dtype: Any) -> Array:
 
 
 def delta(x: Array, a: Array, b: Array, mask: Array) -> Array:
-    """The adapters' addition to `x @ W`: ((x @ a) * mask) @ b, accumulated in float32."""
-    h = jnp.einsum("...k,kr->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
-    h = (h * mask.astype(jnp.float32)).astype(x.dtype)
-    return jnp.einsum("...r,rn->...n", h, b.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    """The adapters' addition to `x @ W`: ((x @ a) * mask) @ b, in the factors' dtype
+    (`factor_dtype`), accumulated in float32."""
+    h = jnp.einsum("...k,kr->...r", x.astype(a.dtype), a, preferred_element_type=jnp.float32)
+    h = (h * mask.astype(jnp.float32)).astype(a.dtype)
+    return jnp.einsum("...r,rn->...n", h, b, preferred_element_type=jnp.float32).astype(x.dtype)

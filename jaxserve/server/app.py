@@ -16,7 +16,7 @@ from quart import Quart
 from jaxserve.config import StructuredOutputConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.multimodal.images import ImageSupport
-from jaxserve.server import classify, openai, sglang, tool_parsers, triton
+from jaxserve.server import classify, lora_routes, openai, sglang, tool_parsers, triton
 from jaxserve.server.base_app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -55,10 +55,12 @@ def create_app(
     sampling_defaults: dict[str, Any] | None = None,
     return_tokens_as_token_ids: bool = False,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    runtime_lora: bool = False,
 ) -> Quart:
     """warm_structured starts the constraint compile workers now (a served process) rather than
     at the first constrained request (tests). max_stored_responses: the Responses API's store
-    (jaxserve.server.response_store; 0: nothing is kept)."""
+    (jaxserve.server.response_store; 0: nothing is kept). runtime_lora: LoRA adapters may be
+    loaded and unloaded while serving (--enable-lora; jaxserve.server.lora_routes)."""
     check_limits(max_request_bytes, max_concurrent_requests, request_timeout)
     names = ModelNames.of(served_model_name)
     state = ServerState(
@@ -69,7 +71,7 @@ def create_app(
         tool_parser=(tool_parsers.resolve(tool_call_parser, tokenizer.chat_template, async_engine.info.architecture)
                      if tool_call_parser == "auto" else tool_parsers.check_parser(tool_call_parser)),
         images=images, sampling_defaults=dict(sampling_defaults or {}),
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        return_tokens_as_token_ids=return_tokens_as_token_ids, runtime_lora=runtime_lora,
         responses=ResponseStore(max_stored_responses) if max_stored_responses > 0 else None,
         conversations=ConversationStore(max_stored_responses) if max_stored_responses > 0 else None,
     )
@@ -97,6 +99,7 @@ def create_app(
     openai.register(app, state)
     sglang.register(app, state)
     triton.register(app, state)
+    lora_routes.register(app, state)
     classify.register_refusals(app, state)  # a generation model has no classification head
     return app
 

@@ -55,6 +55,9 @@ def to_api_error(exc: BaseException) -> ApiError | None:
     """The status table shared by every protocol; None for an unexpected exception (a 500)."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, InvalidRequestError) and exc.param == "lora":
+        # The model name named a LoRA adapter that was unloaded after the route checked it.
+        return ApiError(404, str(exc).removeprefix("lora: "), "model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):  # includes RequestTooLongError; the message names the numbers
         return ApiError(400, str(exc), exc.param)
     if isinstance(exc, ChatTemplateError):

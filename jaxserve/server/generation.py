@@ -57,6 +57,7 @@ class ServerState:
     # What a request leaves unset samples with: the model's generation_config.json (SamplingParams
     # fields; jaxserve.generation_config), before each protocol's own defaults.
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    runtime_lora: bool = False  # --enable-lora: LoRA adapters may be loaded while serving (lora_routes)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs show "token_id:N"
     responses: ResponseStore | None = None  # stored Responses-API responses (--max-stored-responses; None: 0)
     conversations: ConversationStore | None = None  # the Conversations API's (the same bound; None: 0)

@@ -18,8 +18,9 @@ GENERIC_NAMES = ("default", "null")
 class ModelNames:
     names: tuple[str, ...]  # the first is the one responses report
     accept_any: bool = False
-    # LoRA adapters by name -> their directory (--lora-modules): models of their own to clients.
-    adapters: tuple[tuple[str, str], ...] = ()
+    # LoRA adapters (--lora-modules, or loaded while serving): models of their own to clients, as
+    # (name, directory, the parent /v1/models names or None for the served model).
+    adapters: tuple[tuple[str, str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -38,7 +39,7 @@ class ModelNames:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.adapters)
+        return tuple(a[0] for a in self.adapters)
 
     def check(self, name: str | None, param: str = "model") -> None:
         """404 (OpenAI's model_not_found) unless a request naming `name` is for this server's base
@@ -73,10 +74,11 @@ class ModelNames:
     def card(self, name: str, created: int, max_model_len: int) -> dict:
         """/v1/models/{name} (OpenAI's retrieve): the card of a name this server answers to, else 404.
         An adapter's card names its directory as root and the served model as parent (vLLM's)."""
-        adapters = dict(self.adapters)
+        adapters = {a[0]: a for a in self.adapters}
         if name in adapters:
-            return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": adapters[name],
-                    "parent": self.primary, "max_model_len": max_model_len, "permission": []}
+            _, path, parent = adapters[name]
+            return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": path,
+                    "parent": parent or self.primary, "max_model_len": max_model_len, "permission": []}
         self.check(name)
         if name not in self.names:  # "default", or any name under --accept-any-model-name: the served model
             name = self.primary
@@ -87,4 +89,4 @@ class ModelNames:
 def served_names(config: Any) -> ModelNames:
     """The names a server started from `config` (jaxserve.config.Config) answers to."""
     return ModelNames(config.model.served_model_names, config.model.accept_any_model_name,
-                      tuple((spec.name, str(spec.path)) for spec in config.model.lora_modules))
+                      tuple((spec.name, str(spec.path), spec.base_model_name) for spec in config.model.lora_modules))

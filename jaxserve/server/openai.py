@@ -577,7 +577,7 @@ async def reset_prefix_cache(state: ServerState) -> Response:
 async def tokenize(state: ServerState) -> Response:
     """Token ids of a prompt or of a rendered chat (vLLM's /tokenize)."""
     req = await parse(TokenizeRequest)
-    state.model_names.check(req.model)
+    state.model_names.lora(req.model)  # an adapter shares the tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", "prompt")
     if req.messages is not None:
@@ -604,7 +604,7 @@ async def tokenize(state: ServerState) -> Response:
 async def detokenize(state: ServerState) -> Response:
     """Text of token ids (vLLM's /detokenize)."""
     req = await parse(DetokenizeRequest)
-    state.model_names.check(req.model)
+    state.model_names.lora(req.model)  # an adapter shares the tokenizer
     bad = next((t for t in req.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")

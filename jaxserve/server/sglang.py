@@ -268,10 +268,10 @@ def _lora(state: ServerState, value: Any, where: str) -> str | None:
     if value is None:
         return None
     adapters = state.model_names.adapters
-    for name, path in adapters:
+    for name, path, _ in adapters:
         if value in (name, path):
             return name
-    loaded = ", ".join(name for name, _ in adapters) or "none: the server was started without --lora-modules"
+    loaded = ", ".join(a[0] for a in adapters) or "none: the server was started without --lora-modules"
     raise ApiError(400, f"{where}: no LoRA adapter {value!r} is loaded ({loaded})", where)
 
 
@@ -279,7 +279,8 @@ def _in_sglang_names(e: InvalidRequestError, prompt: str = "text") -> ApiError:
     """An engine refusal in the names the SGLang client sent: `max_tokens` is its
     `sampling_params.max_new_tokens`, `prompt` its text or input_ids."""
     return sampling.in_protocol_names(e, sampling.SGLANG, "sampling_params.",
-                                      {"prompt": prompt, "prompt_logprobs_start": "logprob_start_len"})
+                                      {"prompt": prompt, "prompt_logprobs_start": "logprob_start_len",
+                                       "lora": "lora_path"})
 
 
 def _item(state: ServerState, req: GenerateRequest, res: RequestOutput, out: CompletionOutput,

@@ -6,7 +6,7 @@ the device.
 A LoRA module adds `scale * B @ A` to a projection's weight, A [r, in] and B [out, r], with
 scale = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA). Here each module is kept as the two
 factors in the model's [in, out] orientation with the scale folded into B, so the step computes
-`x @ a @ b` beside the base product and never forms the [in, out] delta.
+`x @ a @ b` beside the base product and never forms the [in, out] delta (jaxserve.models.lora).
 
 Only what adds exactly that is taken; anything else an adapter can carry (DoRA, LoRA biases,
 fully trained `modules_to_save`, embedding or LM-head adapters, GPT-2's transposed Conv1D layout,
@@ -34,40 +34,60 @@ TARGETS: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp", "down_proj"),
 }
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\."
-                  r"(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# A PEFT factor's tensor name: "base_model.model." + the base model's module name (PEFT's
+# `current_key`, which rank_pattern and alpha_pattern match) + ".lora_A.weight".
+_KEY = re.compile(r"^(?:base_model\.model\.)?((?:model\.)?(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\."
+                  r"(\w+))\.lora_([AB])(?:\.\w+)?\.weight$")
+
+# adapter_config.json fields of LoRA variants whose forward is not x @ W + scale * x @ A^T @ B^T
+# (or that train more than the factors): refused when set, never applied as plain LoRA.
+_VARIANTS = {
+    "use_dora": "DoRA", "lora_bias": "LoRA biases", "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QA-LoRA", "layer_replication": "layer replication", "use_bdlora": "block-diagonal LoRA",
+    "trainable_token_indices": "trainable token embeddings", "target_parameters": "LoRA on parameters",
+    "arrow_config": "Arrow routing", "monteclora_config": "MonteCLoRA", "kasa_config": "KaSA",
+    "modules_to_save": "modules_to_save (fully trained modules)", "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraModuleSpec:
-    """One adapter the server serves: the name requests select it by, and its directory."""
+    """One adapter the server serves: the name requests select it by, its directory, and (vLLM's
+    base_model_name) the model /v1/models names as its parent (None: the served model)."""
 
     name: str
     path: Path
+    base_model_name: str | None = None
 
     @staticmethod
-    def parse(text: str) -> "LoraModuleSpec":
-        """vLLM's `--lora-modules` forms: `name=path`, or JSON `{"name": ..., "path": ...}`."""
-        text = text.strip()
-        if text.startswith("{"):
+    def parse(value: str | dict[str, Any]) -> "LoraModuleSpec":
+        """vLLM's `--lora-modules` forms: `name=path`, or JSON `{"name": ..., "path": ...,
+        "base_model_name": ...}` (as text, or as a mapping from a YAML --config)."""
+        spec: Any = value
+        if isinstance(value, str) and value.strip().startswith("{"):
             try:
-                spec = json.loads(text)
+                spec = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({e})") from None
+                raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
+        base = None
+        if isinstance(spec, dict):
             unknown = set(spec) - {"name", "path", "base_model_name"}
             if unknown:
                 raise ValueError(f"--lora-modules: unknown keys {sorted(unknown)} (name, path, base_model_name)")
-            if not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
-                raise ValueError(f"--lora-modules: {text!r} needs string 'name' and 'path'")
-            name, path = spec["name"], spec["path"]
-        else:
-            name, sep, path = text.partition("=")
+            if not all(isinstance(spec.get(k), str) for k in ("name", "path")) or \
+                    not isinstance(spec.get("base_model_name", ""), str):
+                raise ValueError(f"--lora-modules: {value!r} needs string 'name' and 'path'")
+            name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+        elif isinstance(spec, str):
+            name, sep, path = spec.partition("=")
             if not sep:
-                raise ValueError(f"--lora-modules: {text!r} is not name=path")
+                raise ValueError(f"--lora-modules: {value!r} is not name=path")
+        else:
+            raise ValueError(f"--lora-modules: {value!r} is neither name=path nor a name/path mapping")
         name, path = name.strip(), path.strip()
         if not name or not path:
-            raise ValueError(f"--lora-modules: {text!r} needs a name and a path")
-        return LoraModuleSpec(name, Path(path).expanduser())
+            raise ValueError(f"--lora-modules: {value!r} needs a name and a path")
+        return LoraModuleSpec(name, Path(path).expanduser(), base)
 
 
 @dataclasses.dataclass
@@ -84,9 +104,13 @@ class LoraAdapter:
         return sorted({proj for _, proj in self.factors})
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern: the value of the first key matching the module's
-    dotted name at its end."""
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key matching the end of the
+    module's name in the base model (e.g. "model.layers.0.self_attn.q_proj")."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
@@ -100,19 +124,23 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
     config_path = spec.path / "adapter_config.json"
     if not config_path.is_file():
         raise WeightsError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is expected)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{where}: adapter_config.json cannot be read ({e})") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{where}: adapter_config.json is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise WeightsError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
-    refusals = [
-        (config.get("use_dora"), "DoRA (use_dora) is not supported"),
-        (config.get("bias", "none") != "none" or config.get("lora_bias"), "LoRA biases are not supported"),
-        (config.get("modules_to_save"), f"modules_to_save {config.get('modules_to_save')} (fully trained "
-                                        "modules) are not supported"),
-        (config.get("fan_in_fan_out"), "fan_in_fan_out (GPT-2's Conv1D layout) is not supported"),
-    ]
-    for refused, reason in refusals:
-        if refused:
-            raise WeightsError(f"{where}: {reason}")
+    for field, what in _VARIANTS.items():
+        if config.get(field):
+            raise WeightsError(f"{where}: {what} ({field}) is not supported")
+    if config.get("bias", "none") != "none":
+        raise WeightsError(f"{where}: LoRA biases (bias {config.get('bias')!r}) are not supported")
+    alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora"))
+    alphas = config.get("alpha_pattern") or {}
+    if not _is_number(alpha) or not isinstance(alphas, dict) or not all(_is_number(a) for a in alphas.values()):
+        raise WeightsError(f"{where}: lora_alpha and alpha_pattern must be numbers")
     weights_path = spec.path / "adapter_model.safetensors"
     if not weights_path.is_file():
         pickles = [p.name for p in spec.path.glob("adapter_model.*")]
@@ -120,23 +148,24 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
             f" ({', '.join(pickles)} is a pickle file, which jaxserve never loads; convert it to safetensors)"
             if pickles else ""))
     tensors = open_tensors([weights_path])
-    alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora"))
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    modules: dict[tuple[int, str], str] = {}
     for key, (load, _, _) in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(3) not in TARGETS or TARGETS[m.group(3)][0] != m.group(2):
+        if m is None or m.group(4) not in TARGETS or TARGETS[m.group(4)][0] != m.group(3):
             raise WeightsError(f"{where}: tensor {key} is not a LoRA factor of a decoder projection "
                                f"({', '.join(TARGETS)}); embedding, LM-head and other adapters are not supported")
-        layer = int(m.group(1))
+        layer, proj = int(m.group(2)), m.group(4)
         if layer >= num_layers:
             raise WeightsError(f"{where}: tensor {key} is for layer {layer}, and the model has {num_layers}")
-        pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = np.asarray(load(), np.float32)
+        pairs.setdefault((layer, proj), {})[m.group(5)] = np.asarray(load(), np.float32)
+        modules[(layer, proj)] = m.group(1)
     if not pairs:
         raise WeightsError(f"{where}: adapter_model.safetensors holds no LoRA factors")
     factors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     rank = 0
     for (layer, proj), ab in sorted(pairs.items()):
-        name = f"layers.{layer}.{TARGETS[proj][0]}.{proj}"
+        name = modules[(layer, proj)]
         if set(ab) != {"A", "B"}:
             raise WeightsError(f"{where}: {name} has lora_{''.join(ab)} without its other factor")
         a, b = ab["A"], ab["B"]  # [r, in], [out, r]
@@ -145,35 +174,8 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise WeightsError(f"{where}: {name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the model's "
                                f"{proj} needs [r, {d_in}] and [{d_out}, r]")
-        module_alpha = _pattern_value(config.get("alpha_pattern") or {}, name, alpha)
+        module_alpha = _pattern_value(alphas, name, alpha)
         scale = module_alpha / (math.sqrt(r) if rslora else r)
         factors[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray((b * scale).T))
         rank = max(rank, r)
     return LoraAdapter(spec.name, rank, factors)
-
-
-def stack_adapters(adapters: list[LoraAdapter], rank: int, num_layers: int,
-                   shapes: dict[str, tuple[int, int]]) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """Every adapter's factors side by side, each padded with zeros to `rank`: (layer, projection)
-    -> (a [in, S * rank], b [S * rank, out]), adapter s in columns / rows s * rank ... Zero
-    padding adds exactly nothing, so adapters of smaller ranks, and projections an adapter does
-    not target, cost compute but change no value. A projection some adapter targets appears in
-    every layer (zeros where none does), so every layer has the same structure and the step
-    traces one layer body."""
-    for adapter in adapters:
-        if adapter.rank > rank:
-            raise WeightsError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above --max-lora-rank {rank}")
-    out: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
-    s = len(adapters)
-    projections = sorted({proj for adapter in adapters for _, proj in adapter.factors})
-    for layer, proj in ((layer, proj) for layer in range(num_layers) for proj in projections):
-        d_in, d_out = shapes[proj]
-        a = np.zeros((d_in, s * rank), np.float32)
-        b = np.zeros((s * rank, d_out), np.float32)
-        for i, adapter in enumerate(adapters):
-            if (layer, proj) in adapter.factors:
-                fa, fb = adapter.factors[(layer, proj)]
-                a[:, i * rank: i * rank + fa.shape[1]] = fa
-                b[i * rank: i * rank + fb.shape[0]] = fb
-        out[(layer, proj)] = (a, b)
-    return out

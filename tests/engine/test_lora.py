@@ -1,7 +1,8 @@
 """LoRA adapters in the engine against the `peft` library's own models: two adapters (different
 ranks, targets, alphas, rsLoRA) and the base model decoding side by side in one batch give each
 request the tokens and logprobs of its own PEFT model; the prefix cache never lends one adapter's
-pages to another; bad adapters and unknown names are refused."""
+pages to another; adapters load into free slots and unload at run time (a reloaded name decodes
+with its new weights); bad adapters, full slots and unknown names are refused."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.build import EngineConfig, build_engine
 from jaxserve.engine.request import SamplingParams
 from jaxserve.errors import InvalidRequestError
-from jaxserve.models.lora import attach_adapters, target_shapes
+from jaxserve.models.lora import add_lora_slots, target_shapes
 from jaxserve.weights import WeightsError, load_model
-from jaxserve.weights.lora_adapter import LoraModuleSpec, load_adapter
+from jaxserve.weights.lora_adapter import TARGETS, LoraModuleSpec, load_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -59,15 +60,15 @@ def setup(tmp_path_factory):
         specs.append(LoraModuleSpec(name, path))
     decoder = load_model(base_dir, "float32", use_cache=False).model
     shapes = target_shapes(decoder)
-    adapters = [load_adapter(s, decoder.cfg.num_layers, shapes) for s in specs]
-    assert [a.rank for a in adapters] == [8, 4]
-    attach_adapters(decoder, adapters, rank=8)
-    return build_engine(decoder, None, CONFIG, eos_ids=[2]), references, specs, shapes
+    add_lora_slots(decoder, 3, 8, TARGETS)
+    engine = build_engine(decoder, None, CONFIG, eos_ids=[2])
+    assert [engine.load_lora(s.name, s.path).rank for s in specs] == [8, 4]
+    return engine, references, specs, shapes
 
 
 def test_adapters_and_base_in_one_batch_match_peft(setup):
     engine, references, _, _ = setup
-    assert engine.info.lora_names == ("sql", "poet")
+    assert engine.lora.names == ("sql", "poet") and (engine.info.max_loras, engine.info.max_lora_rank) == (3, 8)
     expected = {name: [_hf_greedy(ref, p) for p in PROMPTS] for name, ref in references.items()}
     assert expected["sql"] != expected[None] and expected["poet"] != expected[None]  # the adapters matter
     # Every prompt under every adapter and the base model, interleaved in one batch.
@@ -127,3 +128,69 @@ def test_bad_adapters_refused(setup, tmp_path):
         load_adapter(specs[0], 3, dict(shapes, q_proj=(64, 32)))
     with pytest.raises(WeightsError, match="no adapter_config.json"):
         load_adapter(LoraModuleSpec("none", tmp_path), 3, shapes)
+
+
+def test_load_and_unload_at_run_time(setup, tmp_path):
+    engine, references, specs, _ = setup
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    run_requests(engine, [PROMPTS[0]], SamplingParams(**greedy), "base-before")  # cached for the end
+    # A third adapter takes the free slot: the poet's files under another name decode as the poet.
+    engine.load_lora("verse", specs[1].path)
+    (out,) = run_requests(engine, [PROMPTS[0]], SamplingParams(**greedy, lora="verse"), "verse")
+    assert out.outputs[0].token_ids == _hf_greedy(references["poet"], PROMPTS[0])[0]
+    with pytest.raises(ValueError, match="all 3 LoRA adapter slots are taken"):
+        engine.load_lora("fourth", specs[0].path)
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora("verse", specs[0].path)
+    # In use: refused until its request ends.
+    engine.add_request("running", PROMPTS[1], SamplingParams(**greedy, lora="verse"))
+    with pytest.raises(ValueError, match="in use by 1 running request"):
+        engine.unload_lora("verse")
+    engine.abort("running")
+    # Unloaded and loaded again under the same name with other weights (sql's): its requests
+    # decode with the new ones, never the old pages of the same prompt.
+    engine.unload_lora("verse")
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'verse'"):
+        engine.add_request("gone", PROMPTS[0], SamplingParams(lora="verse"))
+    engine.load_lora("verse", specs[0].path)
+    (out,) = run_requests(engine, [PROMPTS[0]], SamplingParams(**greedy, lora="verse"), "verse2")
+    assert out.outputs[0].token_ids == _hf_greedy(references["sql"], PROMPTS[0])[0]
+    assert out.num_cached_tokens == 0
+    engine.unload_lora("verse")
+    assert engine.lora.names == ("sql", "poet")
+    (base,) = run_requests(engine, [PROMPTS[0]], SamplingParams(**greedy), "base-after")
+    assert base.num_cached_tokens == 8  # unloading keeps the other adapters' and the base model's pages
+    with pytest.raises(ValueError, match="no LoRA adapter named 'verse'"):
+        engine.unload_lora("verse")
+
+
+def test_static_slots_refuse_what_they_cannot_hold(tmp_path):
+    """Slots made for given adapters (--lora-modules without --enable-lora) cover only their
+    projections and rank: another adapter is refused, naming what is missing."""
+    hf = make_tiny_model("llama3", tmp_path / "base")
+    make_adapter(hf, "sql", tmp_path / "sql")
+    decoder = load_model(tmp_path / "base", "float32", use_cache=False).model
+    add_lora_slots(decoder, 2, 4, ("q_proj", "v_proj", "down_proj"))
+    engine = build_engine(decoder, None, CONFIG, eos_ids=[2], compile=False)
+    with pytest.raises(ValueError, match="rank 8, above this server's --max-lora-rank 4"):
+        engine.load_lora("sql", tmp_path / "sql")
+    assert engine.lora.names == ()
+
+
+def test_start_up_sizes_the_slots(tmp_path):
+    """--lora-modules alone: one slot per adapter, of their largest rank, on the projections they
+    adapt; --enable-lora: every projection, at least rank 16, --max-loras slots."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.lora import slot_targets
+    from jaxserve.startup import add_lora_capacity
+
+    hf = make_tiny_model("llama3", tmp_path / "base")
+    make_adapter(hf, "poet", tmp_path / "poet")  # rank 4 on q, v and down
+    poet = LoraModuleSpec("poet", tmp_path / "poet")
+    for config, (slots, rank, targets) in (
+            (dict(lora_modules=(poet,)), (1, 4, ("q_proj", "v_proj", "down_proj"))),
+            (dict(lora_modules=(poet,), enable_lora=True, max_loras=3), (3, 16, tuple(TARGETS))),
+            (dict(enable_lora=True, max_lora_rank=8), (1, 8, tuple(TARGETS)))):
+        decoder = load_model(tmp_path / "base", "float32", use_cache=False).model
+        add_lora_capacity(decoder, ModelConfig(model="m", served_model_name="m", **config))
+        assert (decoder.lora_slots, decoder.lora_rank, slot_targets(decoder)) == (slots, rank, targets)

@@ -24,15 +24,16 @@ jax.config.update("jax_num_cpu_devices", 4)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models, lora_adapters
 
 import torch  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxserve.config import CacheConfig, SchedulerConfig  # noqa: E402
 from jaxserve.engine.build import EngineConfig, build_engine  # noqa: E402
 from jaxserve.engine.core import run_to_completion  # noqa: E402
 from jaxserve.engine.request import SamplingParams  # noqa: E402
-from jaxserve.models.lora import attach_adapters, target_shapes  # noqa: E402
+from jaxserve.models.lora import add_lora_slots  # noqa: E402
 from jaxserve.parallel import make_mesh, param_sharding_for  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
-from jaxserve.weights.lora_adapter import LoraModuleSpec, load_adapter  # noqa: E402
+from jaxserve.weights.lora_adapter import TARGETS  # noqa: E402
 from lora_adapters import make_adapter  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -60,10 +61,8 @@ def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
 def main(out: Path, work: Path) -> None:
     hf = make_tiny_model("llama3", work / "base")
     references = {None: hf}
-    specs = []
     for i, name in enumerate(("sql", "poet")):
         references[name] = make_adapter(hf, name, work / name, seed=30 + i)
-        specs.append(LoraModuleSpec(name, work / name))
     report: dict = {"num_devices": jax.device_count(), "peft": [greedy(references[n], PROMPTS[i]) for n, i in JOBS],
                     "engine": {}, "layout": {}}
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora=name) for name, _ in JOBS]
@@ -71,16 +70,16 @@ def main(out: Path, work: Path) -> None:
         mesh = make_mesh(tp)
         model = load_model(work / "base", "float32", use_cache=False,
                            sharding_for=param_sharding_for(mesh) if mesh is not None else None).model
-        shapes = target_shapes(model)
-        attach_adapters(model, [load_adapter(s, model.cfg.num_layers, shapes) for s in specs], rank=8)
-        layer = model.layers[1]
+        add_lora_slots(model, 2, 8, TARGETS)
+        engine = build_engine(model, None, CONFIG, eos_ids=[2])
+        for name in ("sql", "poet"):  # written into the sharded slots
+            engine.load_lora(name, work / name)
+        layer = nnx.to_pure_dict(engine.runner.params)["layers"][1]
         report["layout"][tp] = {
             label: {"spec": [None if a is None else str(a) for a in getattr(array.sharding, "spec", ())],
                     "devices": len(array.sharding.device_set),
                     "shard_shapes": sorted({tuple(s.data.shape) for s in array.addressable_shards})}
-            for label, (part, proj, factor) in INSPECT.items()
-            for array in [getattr(getattr(getattr(layer, part), proj), factor).get_value()]}
-        engine = build_engine(model, None, CONFIG, eos_ids=[2])
+            for label, (part, proj, factor) in INSPECT.items() for array in [layer[part][proj][factor]]}
         ids = [f"{tp}-{k}" for k in range(len(JOBS))]
         for rid, (_, i), p in zip(ids, JOBS, params):
             engine.add_request(rid, PROMPTS[i], p)

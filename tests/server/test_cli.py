@@ -60,18 +60,29 @@ def test_speculative_flags():
         config_from_args(parse_args(["--model", "/m", "--speculative-method", "draft"]))
 
 
-def test_lora_flags():
+def test_lora_flags(tmp_path):
+    cfg = tmp_path / "c.yaml"  # YAML: one entry as a scalar, entries as mappings
+    cfg.write_text("model: /m\nlora-modules: sql=/a/sql\n")
+    assert [s.name for s in config_from_args(parse_args(["--config", str(cfg)])).model.lora_modules] == ["sql"]
+    cfg.write_text("model: /m\nlora-modules:\n  - {name: sql, path: /a/sql, base_model_name: m}\n  - poet=/p\n")
+    specs = config_from_args(parse_args(["--config", str(cfg)])).model.lora_modules
+    assert [(s.name, s.base_model_name) for s in specs] == [("sql", "m"), ("poet", None)]
     m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--lora-modules", "sql=/a/sql",
                                      '{"name": "poet", "path": "/a/poet"}', "--max-lora-rank", "16"])).model
     assert [(s.name, str(s.path)) for s in m.lora_modules] == [("sql", "/a/sql"), ("poet", "/a/poet")]
-    assert m.max_lora_rank == 16
+    assert m.max_lora_rank == 16 and m.enable_lora and m.max_loras is None
+    m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--max-loras", "4"])).model
+    assert m.enable_lora and m.max_loras == 4 and m.lora_modules == ()
     assert config_from_args(parse_args(["--model", "/m"])).model.lora_modules == ()
     for argv, words in ((["--lora-modules", "sql=/a", "sql=/b"], "given twice"),
                         (["--lora-modules", "m=/a"], "already a name of the served model"),
                         (["--lora-modules", "default=/a"], "already a name"),
                         (["--lora-modules", "sql"], "not name=path"),
                         (["--lora-modules", "sql=/a", "--max-lora-rank", "0"], "--max-lora-rank must be >= 1"),
-                        (["--max-lora-rank", "8"], "none are given")):
+                        (["--max-lora-rank", "8"], "need --lora-modules or --enable-lora"),
+                        (["--max-loras", "2"], "need --lora-modules or --enable-lora"),
+                        (["--lora-modules", "a=/a", "b=/b", "--max-loras", "1"], "fewer than the 2 adapters"),
+                        (["--lora-modules", "a=/a", "--max-loras", "2"], "without --enable-lora nothing else")):
         with pytest.raises(ConfigError, match=words):
             config_from_args(parse_args(["--model", "/m", *argv]))
 

@@ -2,7 +2,8 @@
 started with --lora-modules answers a request naming an adapter exactly as the `peft` library's
 model of that adapter decodes (greedy), on OpenAI completions and chat (whole and streamed),
 SGLang's lora_path and Triton's model name; the base model's answers do not change beside them;
-/v1/models lists the adapters; unknown adapters are refused by name."""
+/v1/models lists the adapters; unknown adapters are refused by name. With --enable-lora, vLLM's
+and SGLang's load/unload routes add and remove adapters while serving."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def adapters(hf_smollm2, tmp_path_factory):
 def lora_server(cache_dir, smollm2_tokenizer, adapters):
     specs = tuple(LoraModuleSpec(name, path) for name, (path, _) in adapters.items())
     # One bucket of each kind: the adapters' steps are programs of their own, each a compile.
-    engine = AsyncEngine(small_engine(cache_dir, lora_modules=specs, decode_buckets=(8,), prefill_buckets=(64,)))
-    names = ModelNames((MODEL,), adapters=tuple((s.name, str(s.path)) for s in specs))
-    live = start_server(create_app(engine, smollm2_tokenizer, names, MAX_MODEL_LEN))
+    engine = AsyncEngine(small_engine(cache_dir, lora_modules=specs, enable_lora=True, max_loras=3,
+                                      decode_buckets=(8,), prefill_buckets=(64,)))
+    names = ModelNames((MODEL,), adapters=tuple((s.name, str(s.path), None) for s in specs))
+    live = start_server(create_app(engine, smollm2_tokenizer, names, MAX_MODEL_LEN, runtime_lora=True))
     yield live
     live.close()
     engine.shutdown()
@@ -55,8 +57,9 @@ def lora_client(lora_server):
 
 def _peft_text(model: torch.nn.Module, tokenizer, prompt_ids: list[int]) -> str:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS, do_sample=False,
+                             pad_token_id=0)
     return tokenizer.decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
 
 
@@ -84,6 +87,10 @@ def test_completions_and_chat_decode_as_peft(lora_client, client, adapters, smol
     chunks = list(stream)
     assert {c.model for c in chunks} == {"poet"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    # The Responses API renders the same chat: the same reply, reported under the adapter's name.
+    response = lora_client.responses.create(model="poet", input=messages[0]["content"], temperature=0,
+                                            max_output_tokens=TOKENS)
+    assert response.model == "poet" and response.output_text == chat.choices[0].message.content
 
 
 def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
@@ -113,5 +120,49 @@ def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
     assert bad.status_code == 400 and "lora_path" in bad.text
     bad = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": PROMPT}, timeout=30)
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
-    bad = httpx.post(url + "/tokenize", json={"model": "sql", "prompt": PROMPT}, timeout=30)
-    assert bad.status_code == 400 and "LoRA adapter" in bad.text
+    # An adapter shares the tokenizer; it has no classification head.
+    tokens = httpx.post(url + "/tokenize", json={"model": "sql", "prompt": PROMPT}, timeout=30).json()["tokens"]
+    assert tokens == httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30).json()["tokens"]
+    bad = httpx.post(url + "/v1/classify", json={"model": "sql", "input": PROMPT}, timeout=30)
+    assert bad.status_code == 400
+
+
+def test_load_and_unload_while_serving(lora_server, lora_client, client, adapters):
+    url = lora_server.url
+    ref = lora_client.completions.create(model="sql", prompt=PROMPT, temperature=0, max_tokens=TOKENS).choices[0].text
+    # vLLM's route: the sql adapter's files under a new name, in the third slot.
+    done = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(adapters["sql"][0])},
+                      timeout=120)
+    assert done.status_code == 200 and done.text == "Success: LoRA adapter 'sql2' added successfully."
+    assert [m.id for m in lora_client.models.list().data] == [MODEL, "sql", "poet", "sql2"]
+    out = lora_client.completions.create(model="sql2", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    assert out.model == "sql2" and out.choices[0].text == ref
+    # SGLang's route: no free slot, then a bad path, each refused with the loaded adapters.
+    full = httpx.post(url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["poet"][0])},
+                      timeout=120)
+    assert full.status_code == 400 and not full.json()["success"] and "slots are taken" in full.json()["error_message"]
+    assert set(full.json()["loaded_adapters"]) == {"sql", "poet", "sql2"}
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/nowhere",
+                                                          "load_inplace": True}, timeout=120)
+    assert bad.status_code == 400 and "adapter_config.json" in bad.text
+    # load_inplace: sql2 replaced by the poet's files.
+    done = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(adapters["poet"][0]),
+                                                           "load_inplace": True}, timeout=120)
+    assert done.status_code == 200
+    poet = lora_client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    again = lora_client.completions.create(model="sql2", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    assert again.choices[0].text == poet.choices[0].text
+    gone = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "sql2"}, timeout=120).json()
+    assert gone["success"] and set(gone["loaded_adapters"]) == {"sql", "poet"}
+    missing = httpx.post(url + "/v1/completions", json={"model": "sql2", "prompt": PROMPT}, timeout=30)
+    assert missing.status_code == 404
+    twice = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}, timeout=30)
+    assert twice.status_code == 404 and "no LoRA adapter named 'sql2'" in twice.text
+    typo = httpx.post(url + "/unload_lora_adapter", json={"lora": "sql"}, timeout=30)  # SGLang's shape, for errors too
+    assert typo.status_code == 400 and not typo.json()["success"] and "lora" in typo.json()["error_message"]
+    clash = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": MODEL, "lora_path": "/x"}, timeout=30)
+    assert clash.status_code == 400 and "name of the served model" in clash.text
+    # The plain server has no --enable-lora: its routes say so.
+    off = httpx.post(client.base_url.join("/v1/load_lora_adapter").__str__(),
+                     json={"lora_name": "a", "lora_path": "/x"}, timeout=30)
+    assert off.status_code == 400 and "--enable-lora" in off.text

@@ -135,15 +135,30 @@ def test_plan_command_prints_the_table(tmp_path, capsys, tpu_chip):
     # compile would otherwise be most of the time).
     small = dict(_presets().PRESETS["llama-3-8b"], num_hidden_layers=2, vocab_size=4096)
     (tmp_path / "config.json").write_text(json.dumps(small))
+    # With LoRA adapter slots (two of rank 16 on every projection): their factors are weights.
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--tp", "4", "--max-model-len",
                              "2048", "--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--prefill-buckets", "32",
-                             "--json", str(tmp_path / "plan.json")])
+                             "--max-loras", "2", "--max-lora-rank", "16", "--json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tensor parallel over 4 chip(s)" in out and "KV cache:" in out and "tok/s" in out
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["error"] is None and report["num_pages"] > 1000
     assert {(s["kind"], s["tokens"]) for s in report["steps"]} == {("prefill", 32), ("decode", 1)}  # no prefill 16
+    # Per layer, 32 columns (2 x 16) beside each projection's input and output: (4096 + 4096) for q
+    # and o, (4096 + 1024) for k and v, (4096 + 14336) for gate, up and down; a factor is split 4
+    # ways with its projection (k/v's too: 8 kv heads), the other replicated; bfloat16. The 2-layer
+    # model's weights are what they are without slots plus exactly that.
+    import jax.numpy as jnp
+
+    from jaxserve.models.config import decoder_config_from_hf
+
+    lora = 2 * 2 * 32 * sum(i + o // 4 if split_out else i // 4 + o for i, o, split_out in (
+        (4096, 4096, True), (4096, 1024, True), (4096, 1024, True), (4096, 4096, False),
+        (4096, 14336, True), (4096, 14336, True), (14336, 4096, False)))
+    mesh = plan_module.topology_mesh("v6e:2x2", 4)
+    base = plan_module.per_chip_bytes(plan_module.abstract_params(decoder_config_from_hf(small), jnp.bfloat16, mesh)[1])
+    assert report["weights_bytes"] == base + lora
     # A bucket list the server would refuse is refused before anything compiles.
     code = plan_module.main(["--model", str(tmp_path), "--topology", "v6e:2x2", "--max-num-seqs", "8",
                              "--decode-buckets", "2", "4"])

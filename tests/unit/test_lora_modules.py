@@ -1,5 +1,5 @@
-"""--lora-modules and PEFT adapter files on the host: the flag's two forms, and the adapters'
-factors stacked into slots with the right scales and zero padding (against numpy)."""
+"""--lora-modules and PEFT adapter files on the host: the flag's two forms, the adapters' factors
+in the model's orientation with their scales (against numpy), and what is refused."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.weights.lora_adapter import LoraAdapter, LoraModuleSpec, load_adapter, stack_adapters
+from jaxserve.weights.lora_adapter import LoraAdapter, LoraModuleSpec, load_adapter
 from jaxserve.weights.safetensors_dir import WeightsError
 
 
 def test_spec_forms():
     assert LoraModuleSpec.parse("sql=/a/b") == LoraModuleSpec("sql", Path("/a/b"))
     assert LoraModuleSpec.parse('{"name": "sql", "path": "/a/b", "base_model_name": "m"}') == \
-        LoraModuleSpec("sql", Path("/a/b"))
+        LoraModuleSpec("sql", Path("/a/b"), "m")
+    assert LoraModuleSpec.parse({"name": "sql", "path": "/a/b"}) == LoraModuleSpec("sql", Path("/a/b"))  # YAML
     for bad, words in (("sql", "not name=path"), ("=x", "needs a name"), ("sql=", "needs a name"),
                        ('{"name": "x"}', "needs string"), ('{"name": "x", "path": "p", "rank": 2}', "unknown keys"),
                        ("{bad json", "not valid JSON")):
@@ -43,7 +44,7 @@ SHAPES = {"q_proj": (8, 8), "k_proj": (8, 4), "v_proj": (8, 4), "o_proj": (8, 8)
           "up_proj": (8, 16), "down_proj": (16, 8)}
 
 
-def test_scales_and_stacking(tmp_path):
+def test_scales(tmp_path):
     rng = np.random.default_rng(0)
     a_q, b_q = rng.normal(size=(2, 8)), rng.normal(size=(8, 2))  # PEFT's [r, in] and [out, r]
     a_d, b_d = rng.normal(size=(2, 16)), rng.normal(size=(8, 2))
@@ -52,7 +53,8 @@ def test_scales_and_stacking(tmp_path):
                              f"{prefix}.1.self_attn.q_proj.lora_B.weight": b_q,
                              f"{prefix}.0.mlp.down_proj.lora_A.weight": a_d,
                              f"{prefix}.0.mlp.down_proj.lora_B.weight": b_d},
-          {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "alpha_pattern": {"down_proj": 1}, "bias": "none"})
+          {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "alpha_pattern": {"model.layers.0.mlp.down_proj": 1},
+           "bias": "none"})
     one = load_adapter(LoraModuleSpec("one", tmp_path / "one"), 2, SHAPES)
     assert one.rank == 2 and one.targets == ["down_proj", "q_proj"]
     a, b = one.factors[(1, "q_proj")]
@@ -65,18 +67,6 @@ def test_scales_and_stacking(tmp_path):
     rs = load_adapter(LoraModuleSpec("rs", tmp_path / "rs"), 2, SHAPES)
     np.testing.assert_allclose(rs.factors[(0, "q_proj")][1], np.full((4, 8), 2.0))  # alpha / sqrt(r)
 
-    stacked = stack_adapters([one, rs], 4, 2, SHAPES)
-    assert sorted(stacked) == [(0, "down_proj"), (0, "q_proj"), (1, "down_proj"), (1, "q_proj")]
-    a, b = stacked[(1, "q_proj")]
-    assert a.shape == (8, 8) and b.shape == (8, 8)  # two slots of rank 4
-    x = rng.normal(size=(3, 8))
-    for slot, adapter in enumerate((one, rs)):
-        cols = slice(slot * 4, slot * 4 + 4)
-        want = x @ adapter.factors[(1, "q_proj")][0] @ adapter.factors[(1, "q_proj")][1] \
-            if (1, "q_proj") in adapter.factors else np.zeros((3, 8))
-        np.testing.assert_allclose(x @ a[:, cols] @ b[cols], want, atol=1e-6)
-    with pytest.raises(WeightsError, match="rank 4, above --max-lora-rank 2"):
-        stack_adapters([one, rs], 2, 2, SHAPES)
     assert isinstance(one, LoraAdapter)
 
 
@@ -96,3 +86,12 @@ def test_refusals(tmp_path):
     _save(tmp_path / "ia3", {}, {"peft_type": "IA3"})
     with pytest.raises(WeightsError, match="not LORA"):
         load_adapter(LoraModuleSpec("ia3", tmp_path / "ia3"), 2, SHAPES)
+    for field, value, words in (("alora_invocation_tokens", [5, 6], "aLoRA"), ("use_dora", True, "DoRA"),
+                                ("bias", "all", "biases"), ("lora_alpha", "16", "must be numbers")):
+        _save(tmp_path / field, {}, {"r": 2, field: value})
+        with pytest.raises(WeightsError, match=words):
+            load_adapter(LoraModuleSpec(field, tmp_path / field), 2, SHAPES)
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "adapter_config.json").write_text("[1]")
+    with pytest.raises(WeightsError, match="not a JSON object"):
+        load_adapter(LoraModuleSpec("list", tmp_path / "list"), 2, SHAPES)

@@ -30,7 +30,7 @@ def test_accept_any_and_cards():
 
 
 def test_lora_adapters_are_models_of_their_own_on_generation_routes():
-    names = ModelNames(("smollm2",), adapters=(("sql", "/adapters/sql"), ("poet", "/adapters/poet")))
+    names = ModelNames(("smollm2",), adapters=(("sql", "/adapters/sql", None), ("poet", "/adapters/poet", "base")))
     assert names.lora("sql") == "sql" and names.lora("smollm2") is None and names.lora(None) is None
     assert names.lora("default") is None  # the generic names are the base model
     assert names.reported("poet") == "poet" and names.reported("smollm2") == "smollm2"
@@ -45,3 +45,4 @@ def test_lora_adapters_are_models_of_their_own_on_generation_routes():
     assert [c["id"] for c in cards] == ["smollm2", "sql", "poet"]
     assert (cards[1]["root"], cards[1]["parent"]) == ("/adapters/sql", "smollm2")
     assert names.card("poet", 5, 512)["root"] == "/adapters/poet"
+    assert names.card("poet", 5, 512)["parent"] == "base"  # vLLM's base_model_name
