@@ -579,6 +579,8 @@ class Engine:
             num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
             step_calls=self._dispatcher.calls, step_call_seconds=self._dispatcher.call_seconds,
             step_handover_seconds=self._dispatcher.handover_seconds,
+            running_loras=_adapters(self.scheduler.running) if self.lora is not None else (),
+            waiting_loras=_adapters(self.scheduler.waiting) if self.lora is not None else (),
         )
 
     def close(self) -> None:
@@ -590,6 +592,11 @@ class Engine:
     def check_idle_integrity(self) -> None:
         """The scheduler's invariants; when nothing runs or waits, free + cached pages == all pages."""
         self.scheduler.check_idle_integrity()
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The LoRA adapters these sequences decode with, sorted."""
+    return tuple(sorted({s.params.lora for s in seqs if s.params.lora is not None}))
 
 
 def _sampling_seqs(out: SchedulerOutput) -> list[Sequence]:

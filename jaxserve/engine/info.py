@@ -58,6 +58,9 @@ class Stats:
     step_call_seconds: float = 0.0
     step_handover_seconds: float = 0.0
     request_ids: frozenset[str] = frozenset()  # requests in the engine
+    # LoRA adapters the running and the waiting sequences decode with (vLLM's lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -124,6 +124,12 @@ def _metrics(model_name: str, async_engine: AsyncEngine) -> Metrics:
     m.counter("step_handover_seconds_total", "Seconds from a step call's return to the start of the next "
               "one, when that one was already waiting (host time between back-to-back steps).",
               lambda: stats().step_handover_seconds)
+    if async_engine.info.max_loras:
+        # vLLM's: which adapters the running and the waiting requests use, for LoRA-aware routers.
+        m.info("lora_requests_info", "LoRA adapters of the running and the waiting requests.",
+               lambda: {"max_lora": str(async_engine.info.max_loras),
+                        "running_lora_adapters": ",".join(stats().running_loras),
+                        "waiting_lora_adapters": ",".join(stats().waiting_loras)})
     return m
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from typing import Callable
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -86,9 +87,16 @@ class Metrics:
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from submission to the last token.")
         # (name, help, "gauge" or "counter", read): values the engine keeps, read at scrape time.
         self.readings: list[tuple[str, str, str, Callable[[], float]]] = []
+        # (name, help, read): gauges whose labels carry the information, valued at the scrape's time.
+        self.infos: list[tuple[str, str, Callable[[], dict[str, str]]]] = []
 
     def gauge(self, name: str, help: str, read: Callable[[], float]) -> None:
         self.readings.append(("jaxserve:" + name, help, "gauge", read))
+
+    def info(self, name: str, help: str, read: Callable[[], dict[str, str]]) -> None:
+        """A gauge whose labels (`read`) are the information, as vLLM's lora_requests_info; its value
+        is the scrape's Unix time."""
+        self.infos.append(("jaxserve:" + name, help, read))
 
     def counter(self, name: str, help: str, read: Callable[[], float]) -> None:
         """A running total the engine keeps (`read` never goes down), named with its `_total`."""
@@ -98,6 +106,10 @@ class Metrics:
         lines: list[str] = []
         for name, help, kind, read in self.readings:
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_fmt(read())}"]
+        for name, help, labels in self.infos:
+            values = labels()
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge",
+                      f"{name}{_labels(tuple(values), tuple(values.values()))} {_fmt(time.time())}"]
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
             lines += metric.render()
         return "\n".join(lines) + "\n"

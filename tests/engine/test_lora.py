@@ -146,6 +146,8 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
     engine.add_request("running", PROMPTS[1], SamplingParams(**greedy, lora="verse"))
     with pytest.raises(ValueError, match="in use by 1 running request"):
         engine.unload_lora("verse")
+    engine.step()
+    assert engine.stats.running_loras == ("verse",) and engine.stats.waiting_loras == ()  # /metrics' info
     engine.abort("running")
     # Unloaded and loaded again under the same name with other weights (sql's): its requests
     # decode with the new ones, never the old pages of the same prompt.

@@ -114,6 +114,8 @@ def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
         "temperature": 0, "max_tokens": TOKENS, "exclude_input_in_output": True}}, timeout=120).json()
     assert triton["model_name"] == "sql" and triton["text_output"] == ref
 
+    metrics = httpx.get(url + "/metrics", timeout=30).text  # vLLM's info gauge, for LoRA-aware routers
+    assert 'jaxserve:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     bad = httpx.post(url + "/generate", json={"text": PROMPT, "lora_path": "nope"}, timeout=30)
     assert bad.status_code == 400 and "lora_path" in bad.text and "sql, poet" in bad.text
     bad = httpx.post(url + "/generate", json={"text": [PROMPT], "lora_path": ["sql", "x"]}, timeout=30)
