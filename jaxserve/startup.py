@@ -176,13 +176,15 @@ def check_lora_sources(cfg: ModelConfig) -> None:
                                "adapter_config.json)")
 
 
-def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> None:
+def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
     """Give the loaded model its LoRA adapter slots: --max-loras of them (default: one per
     --lora-modules adapter, or one with --enable-lora), of rank --max-lora-rank (default: the
     largest adapter's, at least vLLM's 16 with --enable-lora), on the projections the adapters
-    adapt (all seven with --enable-lora: adapters loaded later may adapt any)."""
+    adapt (all seven with --enable-lora: adapters loaded later may adapt any). Returns the
+    --lora-modules adapters, read (jaxserve.weights.lora_adapter.LoraAdapter), for
+    `load_lora_modules`: their files are read once."""
     if not cfg.lora_modules and not cfg.enable_lora:
-        return
+        return []
     if cfg.enable_lora and jax.process_count() > 1:
         raise ValueError("--enable-lora: an adapter loaded while serving would reach process 0's devices only; "
                          "give a multi-host server its adapters with --lora-modules")
@@ -199,12 +201,13 @@ def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> None:
     add_lora_slots(decoder, slots, rank, targets)
     log.info("LoRA: %d adapter slot(s) of rank %d on %s%s", slots, rank, ", ".join(targets),
              "; adapters may be loaded and unloaded at run time" if cfg.enable_lora else "")
+    return adapters
 
 
-def load_lora_modules(engine: "Engine", cfg: ModelConfig) -> None:
-    """Load --lora-modules into the engine's adapter slots."""
-    for spec in cfg.lora_modules:
-        engine.load_lora(spec.name, spec.path)
+def load_lora_modules(engine: "Engine", cfg: ModelConfig, adapters: list[Any]) -> None:
+    """Write the --lora-modules adapters (read by add_lora_capacity) into the engine's slots."""
+    for spec, adapter in zip(cfg.lora_modules, adapters):
+        engine.add_lora(adapter, spec.path)
 
 
 def start_engine(config: "Config", default_max_model_len: int | None = None,
@@ -268,7 +271,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
         log.info("speculative decoding: %s (prompt lookup), up to %d draft tokens per verify step, n-grams of up "
                  "to %d tokens", scheduler.speculative_method, scheduler.num_speculative_tokens,
                  scheduler.max_ngram_size)
-    add_lora_capacity(ready.loaded.model, config.model)
+    lora_modules = add_lora_capacity(ready.loaded.model, config.model)
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,
@@ -277,7 +280,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,
                           eos_ids=ready.generation_eos_ids, blocks=blocks, draft=draft, encoder=encoder)
-    load_lora_modules(engine, config.model)
+    load_lora_modules(engine, config.model, lora_modules)
     loaded = time.perf_counter()
     compile_engine(engine)
     if encoder is not None:

@@ -318,32 +318,35 @@ class Engine:
         WeightsError (both ValueErrors)."""
         from jaxserve.weights.lora_adapter import LoraModuleSpec, load_adapter
 
-        if self.lora is None:
-            raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
-        return load_adapter(LoraModuleSpec(name, Path(path)), self.lora.num_layers, self.lora.shapes)
+        slots = self._lora_slots()
+        return load_adapter(LoraModuleSpec(name, Path(path)), slots.num_layers, slots.shapes)
 
     def add_lora(self, adapter: "LoraAdapter", path: Path | str, replace: bool = False) -> LoadedLora:
         """Write a read adapter (`read_lora`) into a free slot: requests naming it decode with it
         from the next step on. replace: an adapter already loaded under its name is unloaded
         first, once the new one is known to fit (vLLM's load_inplace)."""
-        if self.lora is None:
-            raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
+        slots = self._lora_slots()
         name, targets = adapter.name, tuple(adapter.targets)
-        if replace and self.lora.get(name) is not None:
-            self.lora.check_adapter(name, adapter.rank, targets)
+        if replace and slots.get(name) is not None:
+            slots.check_adapter(name, adapter.rank, targets)
             self.unload_lora(name)
-        slot = self.lora.add(name, Path(path), adapter.rank, targets)
+        slot = slots.add(name, Path(path), adapter.rank, targets)
         # On this thread while the dispatch thread may be running a step: safe, because the slot
         # written is one no row reads until this returns, and the new arrays replace the old
         # ones (never donated) that a step already dispatched keeps reading.
         try:
-            self.runner.write_lora_slot(slot.slot, self.lora.rank, adapter.factors)
+            self.runner.write_lora_slot(slot.slot, slots.rank, adapter.factors)
         except BaseException:
-            self.lora.remove(name)
+            slots.remove(name)
             raise
         log.info("LoRA adapter %s loaded from %s into slot %d: rank %d on %s", name, path, slot.slot, adapter.rank,
                  ", ".join(targets))
         return slot
+
+    def _lora_slots(self) -> LoraSlots:
+        if self.lora is None:
+            raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
+        return self.lora
 
     def load_lora(self, name: str, path: Path | str, replace: bool = False) -> LoadedLora:
         """`read_lora` then `add_lora`."""
@@ -355,13 +358,12 @@ class Engine:
         """Free `name`'s adapter slot. Refused while a request decodes with it. Its cached prefix
         pages hang from its load's own key (LoadedLora.key): nothing else reads them, and they
         age out of the cache."""
-        if self.lora is None:
-            raise LoraRefused("this model has no LoRA adapter slots")
+        slots = self._lora_slots()
         users = sum(1 for req in self.requests.values() if req.params.lora == name)
         if users:
             raise LoraRefused(f"LoRA adapter {name!r} is in use by {users} running request(s); unload it once they "
                               "end")
-        self.lora.remove(name)
+        slots.remove(name)
         log.info("LoRA adapter %s unloaded", name)
 
     def reset_prefix_cache(self) -> int:

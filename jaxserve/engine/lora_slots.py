@@ -55,11 +55,6 @@ class LoraSlots:
     def names(self) -> tuple[str, ...]:
         return tuple(self._loaded)
 
-    @property
-    def adapters(self) -> dict[str, Path]:
-        """Loaded adapters by name -> their directory, in load order."""
-        return {name: lora.path for name, lora in self._loaded.items()}
-
     def get(self, name: str) -> LoadedLora | None:
         return self._loaded.get(name)
 

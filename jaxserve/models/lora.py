@@ -109,17 +109,12 @@ def write_slot(leaves: list[Any], where: dict[tuple[int, str, str], int], slot: 
     donated ones: a step already dispatched still reads the old."""
     for (layer, proj, factor), index in where.items():
         old = leaves[index]
-        a, b = factors.get((layer, proj), (None, None))
-        if factor == "lora_a":
-            block = np.zeros((old.shape[0], rank), np.float32)
-            if a is not None:
-                block[:, : a.shape[1]] = a
-            leaves[index] = _write(old, block, 1, slot * rank)
-        else:
-            block = np.zeros((rank, old.shape[1]), np.float32)
-            if b is not None:
-                block[: b.shape[0]] = b
-            leaves[index] = _write(old, block, 0, slot * rank)
+        axis = 1 if factor == "lora_a" else 0  # the rank's axis: a's columns, b's rows
+        block = np.zeros(old.shape[:axis] + (rank,) + old.shape[axis + 1:], np.float32)
+        value = factors.get((layer, proj), (None, None))[1 - axis]
+        if value is not None:
+            block[(slice(None),) * axis + (slice(0, value.shape[axis]),)] = value
+        leaves[index] = _write(old, block, axis, slot * rank)
 
 
 def _write(array: Array, block: np.ndarray, axis: int, start: int) -> Array:
