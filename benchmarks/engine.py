@@ -5,7 +5,7 @@
                                 [--load-format dummy] [--attention-backend auto]
                                 [--matmul-backend auto] [--layouts sharded unsharded]
                                 [--kv-cache-dtype auto fp8_e4m3] [--temperature 1.0]
-                                [--lora 0 1x16 4x16]
+                                [--lora 0 1x16 4x16 1x16:4]
 
 `--layouts sharded unsharded` runs the engine twice in one process: on a one-device mesh (the
 tensor-parallel code path every --tensor-parallel-size takes, 1 included) and as the plain
@@ -13,7 +13,8 @@ unannotated single-device step, and prints the ratio, to show the mesh costs not
 `--matmul-backend xla cpu` likewise runs XLA's products and the native CPU kernel's in turn, and
 `--kv-cache-dtype auto fp8_e4m3` a cache of the model's dtype and an 8-bit one, and `--lora 0 1x16`
 no LoRA adapter slots and one slot of rank 16 on every projection (SLOTSxRANK; every request
-then decodes with a random adapter in the first slot: what the slots cost).
+then decodes with a random adapter in the first slot: what the slots cost; SLOTSxRANK:ADAPTERS
+spreads the requests over that many random adapters, which take turns in the slots when more).
 On a GPU, give `--load-format dummy` with a directory from `python -m benchmarks.dummy_model`
 to time real architectures (Llama-3-8B...) with random weights; JAX_PLATFORMS defaults to cpu
 here, so set JAX_PLATFORMS=cuda there.
@@ -71,15 +72,15 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
                                                 else matmul_backend, ready.loaded.model.dtype),
         overlap=overlap,
     )
-    lora_name = _add_lora(ready.loaded.model, lora)
+    adapters = _add_lora(ready.loaded.model, lora)
     engine = build_engine(ready.loaded.model, ready.tokenizer, config, compile=False)
-    if lora_name is not None:
-        _random_adapter(engine, lora_name)
+    _random_adapters(engine, adapters)
     compile_s = compile_engine(engine)
     # temperature > 0: every row draws (seeded, so runs are repeatable), as the OpenAI API's default
-    # of 1 makes most requests do; HF's baseline stays greedy.
-    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
-                            seed=1 if temperature > 0 else None, lora=lora_name)
+    # of 1 makes most requests do; HF's baseline stays greedy. Request i decodes with adapter
+    # i mod ADAPTERS (--lora).
+    each = [SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                           seed=1 if temperature > 0 else None, lora=name) for name in adapters or [None]]
     results = {}
     for c in concurrency:
         for round_ in ("warm-up", "timed"):
@@ -87,8 +88,8 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
             ids = [f"{round_}-{c}-{i}" for i in range(c)]
             steps_before, t0 = engine.num_steps, time.perf_counter()
             step_times: list[float] = []
-            for rid, p in zip(ids, prompts):
-                engine.add_request(rid, p, params)
+            for i, (rid, p) in enumerate(zip(ids, prompts)):
+                engine.add_request(rid, p, each[i % len(each)])
             done: dict = {}
             while len(done) < c:
                 s = time.perf_counter()
@@ -105,30 +106,33 @@ def run_jaxserve(model: str, dtype: str, concurrency: list[int], input_len: int,
             "per_concurrency": results}
 
 
-def _add_lora(decoder, lora: str) -> str | None:
-    """`lora` "SLOTSxRANK": that many adapter slots of that rank on every projection ("0": none)."""
+def _add_lora(decoder, lora: str) -> list[str]:
+    """`lora` "SLOTSxRANK[:ADAPTERS]": that many adapter slots of that rank on every projection,
+    and the names of ADAPTERS adapters (default 1) for the requests to take in turn ("0": none)."""
     if lora == "0":
-        return None
+        return []
     from jaxserve.models.lora import add_lora_slots
     from jaxserve.weights.lora_adapter import TARGETS
 
-    slots, rank = (int(x) for x in lora.split("x"))
+    shape, _, count = lora.partition(":")
+    slots, rank = (int(x) for x in shape.split("x"))
     add_lora_slots(decoder, slots, rank, TARGETS)
-    return "bench"
+    return [f"bench{i}" for i in range(int(count or 1))]
 
 
-def _random_adapter(engine, name: str) -> None:
-    """A random adapter of the slots' rank on every projection, in slot 0 (no files needed)."""
-    from pathlib import Path
-
+def _random_adapters(engine, names: list[str]) -> None:
+    """Random adapters of the slots' rank on every projection (no files needed): the first ones
+    go into the free slots, the others take turns in them (jaxserve.engine.lora_slots)."""
     import numpy as np
 
+    from jaxserve.weights.lora_adapter import LoraAdapter
+
     slots = engine.lora
-    rng = np.random.default_rng(0)
-    factors = {(layer, proj): (rng.normal(0, 0.02, (d_in, slots.rank)), rng.normal(0, 0.02, (slots.rank, d_out)))
-               for layer in range(slots.num_layers) for proj, (d_in, d_out) in slots.shapes.items()}
-    loaded = slots.add(name, Path("random"), slots.rank, slots.targets)
-    engine.runner.write_lora_slot(loaded.slot, slots.rank, factors)
+    for i, name in enumerate(names):
+        rng = np.random.default_rng(i)
+        factors = {(layer, proj): (rng.normal(0, 0.02, (d_in, slots.rank)), rng.normal(0, 0.02, (slots.rank, d_out)))
+                   for layer in range(slots.num_layers) for proj, (d_in, d_out) in slots.shapes.items()}
+        engine.add_lora(LoraAdapter(name, slots.rank, factors), "random")
 
 
 def run_hf(model: str, dtype: str, concurrency: list[int], input_len: int, output_len: int) -> dict:
@@ -187,8 +191,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="jaxserve's sampling temperature (0: greedy; > 0: every row draws, seeded)")
     p.add_argument("--lora", nargs="+", default=["0"],
-                   help="LoRA adapter slots as SLOTSxRANK on every projection (0: none), each its own run; "
-                   "requests decode with a random adapter in the first slot")
+                   help="LoRA adapter slots as SLOTSxRANK[:ADAPTERS] on every projection (0: none), each its own "
+                   "run; request i decodes with random adapter i mod ADAPTERS (default 1; more than SLOTS take "
+                   "turns in the slots)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if not args.model:

@@ -251,16 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "'{\"name\": ..., \"path\": ...}': a PEFT adapter directory (adapter_config.json and "
                    "adapter_model.safetensors) adapting the q/k/v/o and gate/up/down projections. A request "
                    "selects one by its name as the model (OpenAI `model`, SGLang `lora_path`, Triton's model "
-                   "name); /v1/models lists them. Any mix of adapters and the base model decodes in one batch; "
-                   "each adapter slot costs 2 x rank x (in + out) multiply-adds per token per projection")
+                   "name); /v1/models lists them. Up to --max-loras adapters and the base model decode in one "
+                   "batch; each adapter slot costs 2 x rank x (in + out) multiply-adds per token per projection")
+    e.add_argument("--lora-paths", nargs="+", default=[], metavar="PATH",
+                   help="SGLang's form of --lora-modules (served alike, beside them): each `name=path`, a bare "
+                   "path (then also its name), or JSON '{\"lora_name\": ..., \"lora_path\": ..., \"pinned\": "
+                   "true}'. A pinned adapter keeps an adapter slot from start-up on, never taking turns (one slot "
+                   "at least stays for the adapters not pinned)")
+    e.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="the projections the adapter slots cover: q_proj k_proj v_proj o_proj gate_proj up_proj "
+                   "down_proj, or all. Adapters adapting others are refused. Default: those the --lora-modules "
+                   "adapt, all with --enable-lora (SGLang's flag)")
     e.add_argument("--enable-lora", action="store_true",
                    help="LoRA adapters may be loaded and unloaded while serving: POST /v1/load_lora_adapter and "
                    "/v1/unload_lora_adapter (vLLM's) or /load_lora_adapter and /unload_lora_adapter (SGLang's), "
                    "body {\"lora_name\": ..., \"lora_path\": ...}. They read any adapter directory the server "
                    "can: protect them with --api-key. The adapter slots then cover every projection")
-    e.add_argument("--max-loras", type=int, default=None, metavar="N",
-                   help="LoRA adapter slots: how many adapters can be loaded at once (all of them can decode in "
-                   "one batch). Default: one per --lora-modules adapter, or 1 with --enable-lora")
+    e.add_argument("--max-loras", "--max-loras-per-batch", type=int, default=None, metavar="N",
+                   help="LoRA adapter slots: how many adapters can decode in one batch. More may be loaded: they "
+                   "take turns, a request waiting for its adapter until a slot's adapter has no request "
+                   "running (in arrival order). Default: one per --lora-modules adapter, or 1 with "
+                   "--enable-lora (--max-loras-per-batch: SGLang's name)")
+    e.add_argument("--max-cpu-loras", "--max-loaded-loras", type=int, default=None, metavar="N",
+                   help="most LoRA adapters loaded at once (each keeps its factors in host memory: ~2 x rank x "
+                   "(in + out) floats per adapted projection); a load beyond it is refused until one is "
+                   "unloaded. At least --max-loras. Default: no limit (--max-loaded-loras: SGLang's name)")
     e.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the rank of the adapter slots: adapters of a lower rank are padded with zeros, higher "
                    "ranks are refused. Default: the largest --lora-modules rank, and at least 16 with "
@@ -539,17 +554,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
                           f"{args.speculative_method}")
     if args.speculative_method == "draft" and args.speculative_model is None:
         raise ConfigError("--speculative-method draft needs --speculative-model PATH")
-    lora_modules = _lora_modules(args.lora_modules, names)
-    for flag in ("max_loras", "max_lora_rank"):
+    lora_modules = _lora_modules(args.lora_modules, args.lora_paths, names)
+    lora_targets = _lora_targets(args.lora_target_modules, bool(lora_modules or args.enable_lora))
+    for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         if value is not None and not (lora_modules or args.enable_lora):
             raise ConfigError(f"--{flag.replace('_', '-')} sizes LoRA adapter slots, which need --lora-modules or "
                               "--enable-lora")
-    if args.max_loras is not None and args.max_loras < len(lora_modules):
-        raise ConfigError(f"--max-loras {args.max_loras} is fewer than the {len(lora_modules)} adapters of "
-                          "--lora-modules")
+    pinned = [spec.name for spec in lora_modules if spec.pinned]
+    slots = args.max_loras or max(len(lora_modules), 1)
+    if len(pinned) > slots or (len(pinned) == slots and len(lora_modules) > slots):
+        raise ConfigError(f"--lora-paths: {len(pinned)} pinned adapters ({', '.join(pinned)}) and {slots} adapter "
+                          "slots (--max-loras): the adapters not pinned need one to take turns in")
+    if args.max_cpu_loras is not None:
+        if args.max_cpu_loras < max(slots, len(lora_modules)):
+            raise ConfigError(f"--max-cpu-loras {args.max_cpu_loras} is fewer than the {slots} adapter slots "
+                              f"(--max-loras) or the {len(lora_modules)} adapters of --lora-modules")
     if args.max_loras is not None and args.max_loras > len(lora_modules) and not args.enable_lora:
         # Slots nothing could fill, which every token would pay for.
         raise ConfigError(f"--max-loras {args.max_loras}: more slots than the {len(lora_modules)} adapters of "
@@ -594,9 +616,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
             load_format=args.load_format,
             speculative_model=args.speculative_model,
             lora_modules=lora_modules,
+            lora_target_modules=lora_targets,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
             hf_overrides=args.hf_overrides,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config,
@@ -681,25 +705,46 @@ def _media_policy(args: argparse.Namespace) -> MediaPolicy:
                        max_images=max_images)
 
 
-def _lora_modules(texts: Any, served: list[str]) -> tuple[Any, ...]:
-    """--lora-modules parsed (jaxserve.weights.lora_adapter.LoraModuleSpec), names unique and none
-    a served model name (a request's model picks one or the other). A YAML --config may give one
-    entry as a scalar, and entries as mappings."""
+def _lora_modules(modules: Any, paths: Any, served: list[str]) -> tuple[Any, ...]:
+    """--lora-modules and --lora-paths parsed (jaxserve.weights.lora_adapter.LoraModuleSpec),
+    names unique and none a served model name (a request's model picks one or the other). A YAML
+    --config may give one entry as a scalar, and entries as mappings."""
     from jaxserve.weights.lora_adapter import LoraModuleSpec
 
-    if isinstance(texts, (str, dict)):
-        texts = [texts]
-    try:
-        specs = tuple(LoraModuleSpec.parse(text) for text in texts)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    specs = []
+    for flag, texts in (("--lora-modules", modules), ("--lora-paths", paths)):
+        if isinstance(texts, (str, dict)):
+            texts = [texts]
+        try:
+            specs += [LoraModuleSpec.parse(text, flag) for text in texts]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     names = [s.name for s in specs]
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"--lora-modules: the name {name!r} is given twice")
         if name in served or name in GENERIC_NAMES:
             raise ConfigError(f"--lora-modules: {name!r} is already a name of the served model")
-    return specs
+    return tuple(specs)
+
+
+def _lora_targets(modules: list[str] | None, has_lora: bool) -> tuple[str, ...]:
+    """--lora-target-modules checked: known projection names, `all` alone standing for all."""
+    from jaxserve.weights.lora_adapter import TARGETS
+
+    if modules is None:
+        return ()
+    if not has_lora:
+        raise ConfigError("--lora-target-modules: the projections LoRA adapter slots cover, which need "
+                          "--lora-modules or --enable-lora")
+    if "all" in modules:
+        if len(modules) > 1:
+            raise ConfigError("--lora-target-modules: `all` goes alone")
+        return tuple(TARGETS)
+    unknown = sorted(set(modules) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"--lora-target-modules: unknown {', '.join(unknown)} (known: {', '.join(TARGETS)}, all)")
+    return tuple(sorted(set(modules)))
 
 
 def _name_of(model: str) -> str:
@@ -730,7 +775,8 @@ _GENERATION_ONLY = {
     "--media-fetch-timeout": "media",
     "--mm-processor-kwargs": "model.mm_processor_kwargs",
     "--lora-modules": "model.lora_modules", "--enable-lora": "model.enable_lora", "--max-loras": "model.max_loras",
-    "--max-lora-rank": "model.max_lora_rank",
+    "--max-lora-rank": "model.max_lora_rank", "--max-cpu-loras": "model.max_cpu_loras",
+    "--lora-target-modules": "model.lora_target_modules",
 }
 
 

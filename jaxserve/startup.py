@@ -178,9 +178,11 @@ def check_lora_sources(cfg: ModelConfig) -> None:
 
 def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
     """Give the loaded model its LoRA adapter slots: --max-loras of them (default: one per
-    --lora-modules adapter, or one with --enable-lora), of rank --max-lora-rank (default: the
-    largest adapter's, at least vLLM's 16 with --enable-lora), on the projections the adapters
-    adapt (all seven with --enable-lora: adapters loaded later may adapt any). Returns the
+    --lora-modules adapter, or one with --enable-lora; with fewer, the adapters take turns in
+    them), of rank --max-lora-rank (default: the
+    largest adapter's, at least vLLM's 16 with --enable-lora), on --lora-target-modules (default:
+    the projections the adapters adapt, all seven with --enable-lora: adapters loaded later may
+    adapt any). Returns the
     --lora-modules adapters, read (jaxserve.weights.lora_adapter.LoraAdapter), for
     `load_lora_modules`: their files are read once."""
     if not cfg.lora_modules and not cfg.enable_lora:
@@ -193,11 +195,19 @@ def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
 
     shapes = target_shapes(decoder)
     adapters = [load_adapter(spec, decoder.cfg.num_layers, shapes) for spec in cfg.lora_modules]
-    targets = tuple(TARGETS) if cfg.enable_lora else tuple(sorted({t for a in adapters for t in a.targets}))
+    targets = cfg.lora_target_modules or (
+        tuple(TARGETS) if cfg.enable_lora else tuple(sorted({t for a in adapters for t in a.targets})))
+    for spec, adapter in zip(cfg.lora_modules, adapters):
+        outside = sorted(set(adapter.targets) - set(targets))
+        if outside:
+            raise ValueError(f"--lora-modules: {spec.name} adapts {', '.join(outside)}, which --lora-target-modules "
+                             f"leaves out ({', '.join(targets)})")
     rank = cfg.max_lora_rank or max([DEFAULT_LORA_RANK if cfg.enable_lora else 1, *(a.rank for a in adapters)])
     slots = cfg.max_loras or max(len(adapters), 1)
-    if slots < len(adapters):
-        raise ValueError(f"--max-loras {slots} is fewer than the {len(adapters)} adapters of --lora-modules")
+    if slots < len(adapters) and jax.process_count() > 1:
+        # Adapters would change slots while serving, and those writes reach process 0's devices only.
+        raise ValueError(f"--max-loras {slots} is fewer than the {len(adapters)} adapters of --lora-modules, and a "
+                         "multi-host server cannot swap adapters in and out of its slots")
     add_lora_slots(decoder, slots, rank, targets)
     log.info("LoRA: %d adapter slot(s) of rank %d on %s%s", slots, rank, ", ".join(targets),
              "; adapters may be loaded and unloaded at run time" if cfg.enable_lora else "")
@@ -205,9 +215,10 @@ def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
 
 
 def load_lora_modules(engine: "Engine", cfg: ModelConfig, adapters: list[Any]) -> None:
-    """Write the --lora-modules adapters (read by add_lora_capacity) into the engine's slots."""
+    """Load the --lora-modules adapters (read by add_lora_capacity): the first ones into the
+    engine's slots, any more when their requests come."""
     for spec, adapter in zip(cfg.lora_modules, adapters):
-        engine.add_lora(adapter, spec.path)
+        engine.add_lora(adapter, spec.path, pinned=spec.pinned)
 
 
 def start_engine(config: "Config", default_max_model_len: int | None = None,
@@ -275,7 +286,8 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     engine_config = EngineConfig(cache=config.cache, scheduler=scheduler, max_n=config.server.max_n,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,
-                                 enable_prompt_embeds=config.model.enable_prompt_embeds)
+                                 enable_prompt_embeds=config.model.enable_prompt_embeds,
+                                 max_cpu_loras=config.model.max_cpu_loras)
     encoder = vision_encoder(ready.loaded, config.model.load_format, config.model.mm_processor_kwargs)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,

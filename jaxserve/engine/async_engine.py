@@ -102,14 +102,14 @@ class AsyncEngine(EngineThread):
         self._send(("reset_prefix_cache", loop, done))
         return await done
 
-    async def load_lora(self, name: str, path: str, replace: bool = False) -> None:
-        """Load a LoRA adapter into a free slot (Engine.load_lora): its files are read on a worker
-        thread, and only the write into the slot waits for the engine thread, between two steps.
+    async def load_lora(self, name: str, path: str, replace: bool = False, pinned: bool = False) -> None:
+        """Load a LoRA adapter (Engine.add_lora): its files are read on a worker thread, and only
+        the bookkeeping (and a write into a slot) waits for the engine thread, between two steps.
         Raises LoraRefused or WeightsError (ValueErrors)."""
         adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._send(("lora", "add", (adapter, path, replace), loop, done))
+        self._send(("lora", "add", (adapter, path, replace, pinned), loop, done))
         await done
 
     async def unload_lora(self, name: str) -> None:

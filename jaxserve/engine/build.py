@@ -60,6 +60,9 @@ class EngineConfig:
     # Take client embeddings as prompt input (SGLang's input_embeds, vLLM's prompt_embeds and its
     # --enable-prompt-embeds): prefill steps then carry a [tokens, hidden] buffer.
     enable_prompt_embeds: bool = False
+    # LoRA adapters kept loaded at most (vLLM's --max-cpu-loras; None: no limit). The model's
+    # adapter slots (jaxserve.models.lora) bound how many decode in one step, not how many load.
+    max_cpu_loras: int | None = None
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -97,7 +100,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       jax.local_devices()[0])
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
-    lora = _lora_slots(decoder)
+    lora = _lora_slots(decoder, config.max_cpu_loras)
     builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds,
                              lora=lora)
     reserve = 0
@@ -135,7 +138,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     engine = Engine(Scheduler(sched, allocator, page_size), builder, runner, tokenizer, info,
                     overlap=config.overlap)
     engine.encoder = encoder
-    engine.lora = lora
+    engine.lora = engine.scheduler.adapters = lora
     if lora is not None:
         # An empty write into slot 0 (all zeros still) compiles the slot writers now, not while a
         # request waits on the first adapter loaded at run time.
@@ -168,14 +171,14 @@ def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | No
     return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
 
 
-def _lora_slots(decoder: Decoder) -> LoraSlots | None:
+def _lora_slots(decoder: Decoder, max_loaded: int | None) -> LoraSlots | None:
     """The bookkeeping of the model's LoRA adapter slots (None: it has none)."""
     if not decoder.lora_slots:
         return None
     from jaxserve.models.lora import slot_targets, target_shapes
 
     return LoraSlots(decoder.lora_slots, decoder.lora_rank, slot_targets(decoder), decoder.cfg.num_layers,
-                     target_shapes(decoder))
+                     target_shapes(decoder), max_loaded)
 
 
 def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = (),

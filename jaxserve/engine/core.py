@@ -321,43 +321,61 @@ class Engine:
         slots = self._lora_slots()
         return load_adapter(LoraModuleSpec(name, Path(path)), slots.num_layers, slots.shapes)
 
-    def add_lora(self, adapter: "LoraAdapter", path: Path | str, replace: bool = False) -> LoadedLora:
-        """Write a read adapter (`read_lora`) into a free slot: requests naming it decode with it
-        from the next step on. replace: an adapter already loaded under its name is unloaded
-        first, once the new one is known to fit (vLLM's load_inplace)."""
+    def add_lora(self, adapter: "LoraAdapter", path: Path | str, replace: bool = False,
+                 pinned: bool = False) -> LoadedLora:
+        """Load a read adapter (`read_lora`): requests naming it decode with it from the next step
+        on. It goes into a free adapter slot now if there is one, else into one when a request
+        of it is admitted (the scheduler's `adapters`). replace: an adapter already loaded under
+        its name is unloaded first, once the new one is known to fit (vLLM's load_inplace).
+        pinned: it takes a slot now and keeps it (SGLang's)."""
         slots = self._lora_slots()
         name, targets = adapter.name, tuple(adapter.targets)
+        busy = {s.params.lora for s in self.scheduler.running} - {None}
         if replace and slots.get(name) is not None:
             slots.check_adapter(name, adapter.rank, targets)
+            if pinned:
+                slots.check_pin(name, busy)
             self.unload_lora(name)
-        slot = slots.add(name, Path(path), adapter.rank, targets)
-        # On this thread while the dispatch thread may be running a step: safe, because the slot
-        # written is one no row reads until this returns, and the new arrays replace the old
-        # ones (never donated) that a step already dispatched keeps reading.
+        lora = slots.add(name, Path(path), adapter.rank, targets, adapter.factors, pinned, busy)
+        slot = slots.acquire(name, busy, evict=False)
         try:
-            self.runner.write_lora_slot(slot.slot, slots.rank, adapter.factors)
+            self._write_loras()
         except BaseException:
             slots.remove(name)
             raise
-        log.info("LoRA adapter %s loaded from %s into slot %d: rank %d on %s", name, path, slot.slot, adapter.rank,
-                 ", ".join(targets))
-        return slot
+        log.info("LoRA adapter %s loaded from %s (%s): rank %d on %s", name, path,
+                 f"slot {slot}" if slot is not None else "no free slot: it takes one when a request of it starts",
+                 adapter.rank, ", ".join(targets))
+        return lora
+
+    def _write_loras(self) -> None:
+        """Write the adapters given slots since the last write (LoraSlots.take_writes) into them.
+
+        On this thread while the dispatch thread may be running a step: safe, because a slot is
+        only given to an adapter when no running sequence reads its old one (the rows of a step
+        already dispatched for a sequence that has ended since are dropped), and the new arrays
+        replace the old ones (never donated), which a step already dispatched keeps reading."""
+        if self.lora is None:
+            return
+        for slot, lora in self.lora.take_writes():
+            self.runner.write_lora_slot(slot, self.lora.rank, lora.factors)
+            log.debug("LoRA adapter %s written into slot %d", lora.name, slot)
 
     def _lora_slots(self) -> LoraSlots:
         if self.lora is None:
             raise LoraRefused("this model has no LoRA adapter slots: start it with --enable-lora (or --lora-modules)")
         return self.lora
 
-    def load_lora(self, name: str, path: Path | str, replace: bool = False) -> LoadedLora:
+    def load_lora(self, name: str, path: Path | str, replace: bool = False, pinned: bool = False) -> LoadedLora:
         """`read_lora` then `add_lora`."""
         if self.lora is not None and not replace:
-            self.lora.check_fits(name, 0, ())  # the name and a free slot, before the files are read
-        return self.add_lora(self.read_lora(name, path), path, replace)
+            self.lora.check_fits(name, 0, ())  # the name and the count, before the files are read
+        return self.add_lora(self.read_lora(name, path), path, replace, pinned)
 
     def unload_lora(self, name: str) -> None:
-        """Free `name`'s adapter slot. Refused while a request decodes with it. Its cached prefix
-        pages hang from its load's own key (LoadedLora.key): nothing else reads them, and they
-        age out of the cache."""
+        """Unload `name`, freeing its adapter slot. Refused while a request of it runs or waits.
+        Its cached prefix pages hang from its load's own key (LoadedLora.key): nothing else reads
+        them, and they age out of the cache."""
         slots = self._lora_slots()
         users = sum(1 for req in self.requests.values() if req.params.lora == name)
         if users:
@@ -415,6 +433,7 @@ class Engine:
     def _dispatch(self) -> None:
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
+        self._write_loras()  # adapters the admitted sequences decode with, given a slot just now
         if not out.prefills and not out.decodes:
             return
         self.num_steps += 1

@@ -39,6 +39,12 @@ computed, none appended) waits, unscheduled, until every beam of its request has
 calls `fork_beams` with the continuations the search chose. A forked beam shares its parent's full
 pages (reference counts) and gets a copy of the partial last one (`SchedulerOutput.copies`, run on
 the device before the step). Preempting a beam preempts all of its request's beams.
+
+LoRA adapters (`adapters`, jaxserve.engine.lora_slots): a sequence decoding with an adapter is
+admitted only with its adapter in one of the model's adapter slots, taken at admission (evicting an
+adapter no running sequence reads). One that cannot have one waits, and so do the adapter sequences
+queued after it, so that the slots drain for it in arrival order instead of serving the adapters
+already in them forever; base-model sequences behind it are still admitted.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import dataclasses
 import heapq
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
+from typing import TYPE_CHECKING
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.engine.beam import BeamSearch, Continuation
@@ -56,6 +63,9 @@ from jaxserve.engine.ngram import MAX_NGRAM_SIZE, NgramDrafter
 from jaxserve.engine.pages import NULL_PAGE, PageAllocator, salted_root
 from jaxserve.engine.request import FinishReason, Sequence, SequenceStatus
 from jaxserve.errors import InvalidRequestError, RequestTooLongError
+
+if TYPE_CHECKING:
+    from jaxserve.engine.lora_slots import LoraSlots
 
 
 @dataclasses.dataclass
@@ -142,6 +152,7 @@ class Scheduler:
         self._cut: list[tuple[int, int]] = []  # page lists cut back since the last output
         self._added: list[Sequence] = []  # beams forked into new sequences since the last output
         self._copies: list[tuple[int, int]] = []  # pages forked beams need copied
+        self.adapters: LoraSlots | None = None  # the model's LoRA adapter slots (set by the engine's builder)
 
     @property
     def num_running(self) -> int:
@@ -349,13 +360,18 @@ class Scheduler:
         return drafts
 
     def _admit(self, plan: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS)."""
+        """Admit waiting sequences in sort order, stopping at the first that does not fit (FCFS).
+        One whose LoRA adapter can get no adapter slot is passed over, and so are the adapter
+        sequences after it (see the module's docstring)."""
         i = 0
+        adapter_blocked = False
         while i < len(self.waiting):
             if budget <= 0 or len(plan.prefills) >= self.config.max_prefill_seqs:
                 return
             seq = self.waiting[i]
-            if self._is_held(seq):  # not a fairness question: it is waiting for its own sample 0
+            adapter = seq.params.lora
+            # Held: not a fairness question, it is waiting for its own sample 0.
+            if self._is_held(seq) or (adapter is not None and adapter_blocked):
                 i += 1
                 continue
             if self._slots_needed(seq) > len(self._free_slots):
@@ -367,6 +383,12 @@ class Scheduler:
             num_new = self.allocator.pages_for(end) - len(cached)
             if not self.allocator.can_allocate(num_new, cached):
                 return
+            if adapter is not None and self.adapters is not None:
+                busy = {s.params.lora for s in self.running}
+                if self.adapters.acquire(adapter, busy) is None:  # the last check: it takes the slot
+                    adapter_blocked = True
+                    i += 1
+                    continue
             del self.waiting[i]
             first_admission = seq.num_preemptions == 0
             cached, num_cached = self.allocator.match_prefix(tokens, count_stats=first_admission, root=root)
@@ -676,6 +698,11 @@ class Scheduler:
         for seq in self.waiting:
             if seq.pages or seq.num_computed_tokens or seq.slot is not None or seq.status is not SequenceStatus.WAITING:
                 problems.append(f"waiting sequence {seq.seq_id} holds pages, a slot or computed tokens")
+        if self.adapters is not None:
+            resident = set(self.adapters.resident)
+            stray = {s.params.lora for s in self.running} - resident - {None}
+            if stray:
+                problems.append(f"running sequences decode with LoRA adapters {sorted(stray)} that hold no slot")
         if held[NULL_PAGE]:
             problems.append("a sequence holds the null page 0")
         for page in range(1, self.allocator.num_pages):

@@ -1,7 +1,8 @@
 """Loading and unloading LoRA adapters while serving (--enable-lora): vLLM's
 /v1/load_lora_adapter and /v1/unload_lora_adapter, and SGLang's /load_lora_adapter and
-/unload_lora_adapter. The engine writes the adapter into a free slot between two steps
-(jaxserve.engine.lora_slots); the server's model names then list it, so requests may name it.
+/unload_lora_adapter. The engine loads the adapter between two steps (jaxserve.engine.lora_slots:
+it takes a slot when its requests come, or at once when pinned); the server's model names then
+list it, so requests may name it.
 
 The routes read any adapter directory the server process can, so they are off unless the server
 was started with --enable-lora (as vLLM keeps them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING);
@@ -26,8 +27,8 @@ class LoadLoraRequest(KnownFields):
     lora_name: str
     lora_path: str
     load_inplace: bool = False  # vLLM's: replace an adapter of the same name
-    # SGLang's: never evicted to make room. Adapters here are never evicted by the server (only
-    # unloaded when asked), so every adapter is pinned: true or false, the same.
+    # SGLang's: the adapter takes an adapter slot now and keeps it until unloaded, never giving
+    # it up to the adapters taking turns in the others (jaxserve.engine.lora_slots).
     pinned: bool = False
 
 
@@ -62,7 +63,7 @@ async def _load(state: ServerState) -> str:
     _check_name(state, req.lora_name)
     name = req.lora_name
     try:
-        await state.engine.load_lora(name, req.lora_path, replace=req.load_inplace)
+        await state.engine.load_lora(name, req.lora_path, replace=req.load_inplace, pinned=req.pinned)
     except ValueError as e:  # LoraRefused names its parameter; the adapter's files are the path's
         raise ApiError(400, str(e), getattr(e, "param", "lora_path")) from None
     except OSError as e:  # a directory the server may not read

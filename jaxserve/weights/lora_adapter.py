@@ -52,42 +52,52 @@ _VARIANTS = {
 
 @dataclasses.dataclass(frozen=True)
 class LoraModuleSpec:
-    """One adapter the server serves: the name requests select it by, its directory, and (vLLM's
-    base_model_name) the model /v1/models names as its parent (None: the served model)."""
+    """One adapter the server serves: the name requests select it by, its directory, (vLLM's
+    base_model_name) the model /v1/models names as its parent (None: the served model), and
+    (SGLang's) whether it is pinned to an adapter slot (jaxserve.engine.lora_slots)."""
 
     name: str
     path: Path
     base_model_name: str | None = None
+    pinned: bool = False
 
     @staticmethod
-    def parse(value: str | dict[str, Any]) -> "LoraModuleSpec":
-        """vLLM's `--lora-modules` forms: `name=path`, or JSON `{"name": ..., "path": ...,
-        "base_model_name": ...}` (as text, or as a mapping from a YAML --config)."""
+    def parse(value: str | dict[str, Any], flag: str = "--lora-modules") -> "LoraModuleSpec":
+        """vLLM's `--lora-modules` forms, `name=path` or JSON `{"name": ..., "path": ...,
+        "base_model_name": ...}`, and SGLang's `--lora-paths` ones, JSON `{"lora_name": ...,
+        "lora_path": ..., "pinned": ...}` or (`flag` --lora-paths) a bare path, which is then
+        the name too. JSON as text, or as a mapping from a YAML --config."""
         spec: Any = value
         if isinstance(value, str) and value.strip().startswith("{"):
             try:
                 spec = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
-        base = None
+                raise ValueError(f"{flag}: {value!r} is not valid JSON ({e})") from None
+        base, pinned = None, False
         if isinstance(spec, dict):
-            unknown = set(spec) - {"name", "path", "base_model_name"}
+            unknown = set(spec) - {"name", "path", "base_model_name", "lora_name", "lora_path", "pinned"}
             if unknown:
-                raise ValueError(f"--lora-modules: unknown keys {sorted(unknown)} (name, path, base_model_name)")
-            if not all(isinstance(spec.get(k), str) for k in ("name", "path")) or \
-                    not isinstance(spec.get("base_model_name", ""), str):
-                raise ValueError(f"--lora-modules: {value!r} needs string 'name' and 'path'")
-            name, path, base = spec["name"], spec["path"], spec.get("base_model_name")
+                raise ValueError(f"{flag}: unknown keys {sorted(unknown)} (name, path and base_model_name, or "
+                                 "lora_name, lora_path and pinned)")
+            name, path = spec.get("name", spec.get("lora_name")), spec.get("path", spec.get("lora_path"))
+            base, pinned = spec.get("base_model_name"), spec.get("pinned", False)
+            if ("name" in spec and "lora_name" in spec) or ("path" in spec and "lora_path" in spec):
+                raise ValueError(f"{flag}: {value!r} gives the name or the path twice")
+            if not isinstance(name, str) or not isinstance(path, str) or not isinstance(base, (str, type(None))) \
+                    or not isinstance(pinned, bool):
+                raise ValueError(f"{flag}: {value!r} needs a string name and path (and a boolean pinned)")
         elif isinstance(spec, str):
             name, sep, path = spec.partition("=")
-            if not sep:
-                raise ValueError(f"--lora-modules: {value!r} is not name=path")
+            if not sep and flag == "--lora-paths":
+                name = path = spec
+            elif not sep:
+                raise ValueError(f"{flag}: {value!r} is not name=path")
         else:
-            raise ValueError(f"--lora-modules: {value!r} is neither name=path nor a name/path mapping")
+            raise ValueError(f"{flag}: {value!r} is neither name=path nor a name/path mapping")
         name, path = name.strip(), path.strip()
         if not name or not path:
-            raise ValueError(f"--lora-modules: {value!r} needs a name and a path")
-        return LoraModuleSpec(name, Path(path).expanduser(), base)
+            raise ValueError(f"{flag}: {value!r} needs a name and a path")
+        return LoraModuleSpec(name, Path(path).expanduser(), base, pinned)
 
 
 @dataclasses.dataclass

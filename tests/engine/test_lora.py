@@ -2,10 +2,12 @@
 ranks, targets, alphas, rsLoRA) and the base model decoding side by side in one batch give each
 request the tokens and logprobs of its own PEFT model; the prefix cache never lends one adapter's
 pages to another; adapters load into free slots and unload at run time (a reloaded name decodes
-with its new weights); bad adapters, full slots and unknown names are refused."""
+with its new weights); more adapters than slots take turns in them, in arrival order; bad adapters,
+too many adapters and unknown names are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,9 +51,15 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], li
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def base(tmp_path_factory):
+    """The tiny base model's directory and its HF model."""
     base_dir = tmp_path_factory.mktemp("base")
-    hf = make_tiny_model("llama3", base_dir)
+    return base_dir, make_tiny_model("llama3", base_dir)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, base):
+    base_dir, hf = base
     references = {None: hf}
     specs = []
     for i, name in enumerate(("sql", "poet")):
@@ -138,8 +146,6 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
     engine.load_lora("verse", specs[1].path)
     (out,) = run_requests(engine, [PROMPTS[0]], SamplingParams(**greedy, lora="verse"), "verse")
     assert out.outputs[0].token_ids == _hf_greedy(references["poet"], PROMPTS[0])[0]
-    with pytest.raises(ValueError, match="all 3 LoRA adapter slots are taken"):
-        engine.load_lora("fourth", specs[0].path)
     with pytest.raises(ValueError, match="already loaded"):
         engine.load_lora("verse", specs[0].path)
     # In use: refused until its request ends.
@@ -196,3 +202,48 @@ def test_start_up_sizes_the_slots(tmp_path):
         decoder = load_model(tmp_path / "base", "float32", use_cache=False).model
         add_lora_capacity(decoder, ModelConfig(model="m", served_model_name="m", **config))
         assert (decoder.lora_slots, decoder.lora_rank, slot_targets(decoder)) == (slots, rank, targets)
+
+
+
+def test_more_adapters_than_slots_take_turns(tmp_path, base, setup):
+    """Three adapters and one slot (--max-loras 1 --max-cpu-loras 3): every request still decodes
+    as its PEFT model, at most one adapter runs per step, and an adapter waiting for the slot is
+    not passed by later requests of the adapter in it (the slot drains for it, in arrival order);
+    base-model requests run beside any adapter. A fourth adapter is refused."""
+    base_dir, hf = base
+    _, references, specs, _ = setup
+    references = dict(references, third=make_adapter(hf, "sql", tmp_path / "third", seed=77))
+    decoder = load_model(base_dir, "float32", use_cache=False).model
+    add_lora_slots(decoder, 1, 8, TARGETS)
+    engine = build_engine(decoder, None, dataclasses.replace(CONFIG, max_cpu_loras=3), eos_ids=[2])
+    for spec in specs:
+        engine.load_lora(spec.name, spec.path)
+    engine.load_lora("third", tmp_path / "third")
+    with pytest.raises(ValueError, match=r"3 LoRA adapters are loaded .*\(--max-cpu-loras\)"):
+        engine.load_lora("fourth", specs[0].path)
+    assert engine.lora.resident == ("sql",)  # the first loaded took the free slot
+
+    # Arrival order: poet waits for sql's slot; sql's second request, behind it, waits too, and
+    # poet's second waits for the adapters before it.
+    jobs = [("sql", 0), ("poet", 1), (None, 2), ("sql", 2), ("third", 0), (None, 0), ("poet", 0)]
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for k, (name, i) in enumerate(jobs):
+        engine.add_request(f"turn-{k}", PROMPTS[i], SamplingParams(**greedy, lora=name))
+    started: dict[str, int] = {}
+    outs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
+        step += 1
+        running = engine.scheduler.running
+        assert len({s.params.lora for s in running} - {None}) <= 1, step
+        for seq in running:
+            started.setdefault(seq.request_id, step)
+    engine.check_idle_integrity()
+    for k, (name, i) in enumerate(jobs):
+        assert outs[f"turn-{k}"] == _hf_greedy(references[name], PROMPTS[i])[0], (k, name)
+    order = sorted(range(len(jobs)), key=lambda k: started[f"turn-{k}"])
+    adapters = [jobs[k][0] for k in order if jobs[k][0] is not None]
+    assert adapters == ["sql", "poet", "sql", "third", "poet"]  # strictly in arrival order
+    assert started["turn-2"] == started["turn-0"] and started["turn-5"] == started["turn-0"]  # base: at once

@@ -27,7 +27,8 @@ MAX_MODEL_LEN = 512
 
 
 def small_engine(cache_dir: Path, speculative_model: str | None = None, lora_modules: tuple = (),
-                 enable_lora: bool = False, max_loras: int | None = None, **scheduler: Any) -> Engine:
+                 enable_lora: bool = False, max_loras: int | None = None, max_cpu_loras: int | None = None,
+                 **scheduler: Any) -> Engine:
     """SmolLM2 in float32 on a small grid, started exactly as `python -m jaxserve` starts a server
     (a mesh of one device, the CPU kernels where they build, the compilation cache)."""
     config = Config(
@@ -35,7 +36,7 @@ def small_engine(cache_dir: Path, speculative_model: str | None = None, lora_mod
         model=ModelConfig(model=str(smollm2_gguf()), served_model_name=MODEL, dtype="float32",
                           max_model_len=MAX_MODEL_LEN, cache_dir=cache_dir, speculative_model=speculative_model,
                           enable_prompt_embeds=speculative_model is None, lora_modules=lora_modules,
-                          enable_lora=enable_lora, max_loras=max_loras),
+                          enable_lora=enable_lora, max_loras=max_loras, max_cpu_loras=max_cpu_loras),
         parallel=ParallelConfig(), server=ServerConfig(),
         cache=CacheConfig(page_size=16, num_pages=160),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=2, **scheduler),

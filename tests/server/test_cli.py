@@ -72,7 +72,20 @@ def test_lora_flags(tmp_path):
     assert [(s.name, str(s.path)) for s in m.lora_modules] == [("sql", "/a/sql"), ("poet", "/a/poet")]
     assert m.max_lora_rank == 16 and m.enable_lora and m.max_loras is None
     m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--max-loras", "4"])).model
-    assert m.enable_lora and m.max_loras == 4 and m.lora_modules == ()
+    assert m.enable_lora and m.max_loras == 4 and m.lora_modules == () and m.max_cpu_loras is None
+    # More adapters than slots take turns in them.
+    m = config_from_args(parse_args(["--model", "/m", "--lora-modules", "a=/a", "b=/b", "--max-loras", "1",
+                                     "--max-cpu-loras", "3"])).model
+    assert (len(m.lora_modules), m.max_loras, m.max_cpu_loras) == (2, 1, 3)
+    # SGLang's flags: --lora-paths beside --lora-modules, its names for the counts, the targets.
+    m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--lora-modules", "a=/a", "--lora-paths", "/p",
+                                     '{"lora_name": "b", "lora_path": "/b", "pinned": true}', "--max-loras-per-batch",
+                                     "2", "--max-loaded-loras", "4", "--lora-target-modules", "all"])).model
+    assert [(s.name, s.pinned) for s in m.lora_modules] == [("a", False), ("/p", False), ("b", True)]
+    assert (m.max_loras, m.max_cpu_loras, len(m.lora_target_modules)) == (2, 4, 7)
+    m = config_from_args(parse_args(["--model", "/m", "--lora-modules", "a=/a", "--lora-target-modules", "v_proj",
+                                     "q_proj"])).model
+    assert m.lora_target_modules == ("q_proj", "v_proj")
     assert config_from_args(parse_args(["--model", "/m"])).model.lora_modules == ()
     for argv, words in ((["--lora-modules", "sql=/a", "sql=/b"], "given twice"),
                         (["--lora-modules", "m=/a"], "already a name of the served model"),
@@ -81,7 +94,14 @@ def test_lora_flags(tmp_path):
                         (["--lora-modules", "sql=/a", "--max-lora-rank", "0"], "--max-lora-rank must be >= 1"),
                         (["--max-lora-rank", "8"], "need --lora-modules or --enable-lora"),
                         (["--max-loras", "2"], "need --lora-modules or --enable-lora"),
-                        (["--lora-modules", "a=/a", "b=/b", "--max-loras", "1"], "fewer than the 2 adapters"),
+                        (["--lora-modules", "a=/a", "b=/b", "--max-cpu-loras", "1"], "fewer than the 2 adapter slots"),
+                        (["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2"], "fewer than the 3 adapter"),
+                        (["--max-cpu-loras", "2"], "need --lora-modules or --enable-lora"),
+                        (["--lora-paths", '{"lora_name": "a", "lora_path": "/a", "pinned": true}', "b=/b",
+                          "--max-loras", "1"], "the adapters not pinned need one"),
+                        (["--lora-target-modules", "q_proj"], "need --lora-modules or --enable-lora"),
+                        (["--enable-lora", "--lora-target-modules", "all", "q_proj"], "`all` goes alone"),
+                        (["--enable-lora", "--lora-target-modules", "qkv"], "unknown qkv"),
                         (["--lora-modules", "a=/a", "--max-loras", "2"], "without --enable-lora nothing else")):
         with pytest.raises(ConfigError, match=words):
             config_from_args(parse_args(["--model", "/m", *argv]))

@@ -3,9 +3,12 @@ started with --lora-modules answers a request naming an adapter exactly as the `
 model of that adapter decodes (greedy), on OpenAI completions and chat (whole and streamed),
 SGLang's lora_path and Triton's model name; the base model's answers do not change beside them;
 /v1/models lists the adapters; unknown adapters are refused by name. With --enable-lora, vLLM's
-and SGLang's load/unload routes add and remove adapters while serving."""
+and SGLang's load/unload routes add and remove adapters while serving; more adapters than slots
+take turns in them, and a pinned one keeps its own."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import httpx
 import pytest
@@ -39,7 +42,8 @@ def adapters(hf_smollm2, tmp_path_factory):
 def lora_server(cache_dir, smollm2_tokenizer, adapters):
     specs = tuple(LoraModuleSpec(name, path) for name, (path, _) in adapters.items())
     # One bucket of each kind: the adapters' steps are programs of their own, each a compile.
-    engine = AsyncEngine(small_engine(cache_dir, lora_modules=specs, enable_lora=True, max_loras=3,
+    # Two slots for up to three adapters: a third one loaded takes turns with them.
+    engine = AsyncEngine(small_engine(cache_dir, lora_modules=specs, enable_lora=True, max_loras=2, max_cpu_loras=3,
                                       decode_buckets=(8,), prefill_buckets=(64,)))
     names = ModelNames((MODEL,), adapters=tuple((s.name, str(s.path), None) for s in specs))
     live = start_server(create_app(engine, smollm2_tokenizer, names, MAX_MODEL_LEN, runtime_lora=True))
@@ -115,7 +119,7 @@ def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
     assert triton["model_name"] == "sql" and triton["text_output"] == ref
 
     metrics = httpx.get(url + "/metrics", timeout=30).text  # vLLM's info gauge, for LoRA-aware routers
-    assert 'jaxserve:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    assert 'jaxserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     bad = httpx.post(url + "/generate", json={"text": PROMPT, "lora_path": "nope"}, timeout=30)
     assert bad.status_code == 400 and "lora_path" in bad.text and "sql, poet" in bad.text
     bad = httpx.post(url + "/generate", json={"text": [PROMPT], "lora_path": ["sql", "x"]}, timeout=30)
@@ -132,17 +136,28 @@ def test_models_sglang_triton_and_refusals(lora_server, lora_client, adapters):
 def test_load_and_unload_while_serving(lora_server, lora_client, client, adapters):
     url = lora_server.url
     ref = lora_client.completions.create(model="sql", prompt=PROMPT, temperature=0, max_tokens=TOKENS).choices[0].text
-    # vLLM's route: the sql adapter's files under a new name, in the third slot.
+    poet_ref = lora_client.completions.create(model="poet", prompt=PROMPT, temperature=0,
+                                              max_tokens=TOKENS).choices[0].text
+    # vLLM's route: the sql adapter's files under a new name, a third adapter for the two slots.
     done = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql2", "lora_path": str(adapters["sql"][0])},
                       timeout=120)
     assert done.status_code == 200 and done.text == "Success: LoRA adapter 'sql2' added successfully."
     assert [m.id for m in lora_client.models.list().data] == [MODEL, "sql", "poet", "sql2"]
     out = lora_client.completions.create(model="sql2", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
     assert out.model == "sql2" and out.choices[0].text == ref
-    # SGLang's route: no free slot, then a bad path, each refused with the loaded adapters.
+    # All three at once, twice each, and the base model: they take turns in the two slots, each
+    # answer its own adapter's.
+    jobs = ["sql", "poet", "sql2", MODEL] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(lambda m: lora_client.completions.create(model=m, prompt=PROMPT, temperature=0,
+                                                                       max_tokens=TOKENS).choices[0].text, jobs))
+    base = lora_client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=TOKENS).choices[0].text
+    assert texts == [ref, poet_ref, ref, base] * 2
+    # SGLang's route: a fourth adapter (--max-cpu-loras 3), then a bad path, each refused with
+    # the loaded adapters.
     full = httpx.post(url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["poet"][0])},
                       timeout=120)
-    assert full.status_code == 400 and not full.json()["success"] and "slots are taken" in full.json()["error_message"]
+    assert full.status_code == 400 and not full.json()["success"] and "--max-cpu-loras" in full.json()["error_message"]
     assert set(full.json()["loaded_adapters"]) == {"sql", "poet", "sql2"}
     bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/nowhere",
                                                           "load_inplace": True}, timeout=120)
@@ -156,6 +171,21 @@ def test_load_and_unload_while_serving(lora_server, lora_client, client, adapter
     assert again.choices[0].text == poet.choices[0].text
     gone = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "sql2"}, timeout=120).json()
     assert gone["success"] and set(gone["loaded_adapters"]) == {"sql", "poet"}
+    # SGLang's pinned: it keeps one slot, and sql and poet take turns in the other.
+    pinned = httpx.post(url + "/load_lora_adapter", json={"lora_name": "pin", "lora_path": str(adapters["poet"][0]),
+                                                          "pinned": True}, timeout=120).json()
+    assert pinned["success"], pinned
+    jobs = ["sql", "poet", "pin", "sql"]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(lambda m: lora_client.completions.create(model=m, prompt=PROMPT, temperature=0,
+                                                                       max_tokens=TOKENS).choices[0].text, jobs))
+    assert texts == [ref, poet_ref, poet_ref, ref]
+    # A second pin would leave sql no slot to take turns in (poet unloaded for room: --max-cpu-loras 3).
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "poet"}, timeout=120).json()["success"]
+    second = httpx.post(url + "/load_lora_adapter", json={"lora_name": "pin2", "lora_path": str(adapters["sql"][0]),
+                                                          "pinned": True}, timeout=120).json()
+    assert not second["success"] and "are pinned already" in second["error_message"]
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "pin"}, timeout=120).json()["success"]
     missing = httpx.post(url + "/v1/completions", json={"model": "sql2", "prompt": PROMPT}, timeout=30)
     assert missing.status_code == 404
     twice = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql2"}, timeout=30)

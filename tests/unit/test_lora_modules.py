@@ -19,9 +19,16 @@ def test_spec_forms():
     assert LoraModuleSpec.parse('{"name": "sql", "path": "/a/b", "base_model_name": "m"}') == \
         LoraModuleSpec("sql", Path("/a/b"), "m")
     assert LoraModuleSpec.parse({"name": "sql", "path": "/a/b"}) == LoraModuleSpec("sql", Path("/a/b"))  # YAML
-    for bad, words in (("sql", "not name=path"), ("=x", "needs a name"), ("sql=", "needs a name"),
-                       ('{"name": "x"}', "needs string"), ('{"name": "x", "path": "p", "rank": 2}', "unknown keys"),
-                       ("{bad json", "not valid JSON")):
+    # SGLang's --lora-paths: a bare path is its own name; its JSON keys, and pinned.
+    assert LoraModuleSpec.parse("/a/b", "--lora-paths") == LoraModuleSpec("/a/b", Path("/a/b"))
+    assert LoraModuleSpec.parse("sql=/a/b", "--lora-paths") == LoraModuleSpec("sql", Path("/a/b"))
+    assert LoraModuleSpec.parse('{"lora_name": "sql", "lora_path": "/a/b", "pinned": true}', "--lora-paths") == \
+        LoraModuleSpec("sql", Path("/a/b"), pinned=True)
+    for bad, words in (("sql", "--lora-modules: 'sql' is not name=path"), ("=x", "needs a name"),
+                       ("sql=", "needs a name"), ('{"name": "x"}', "needs a string name and path"),
+                       ('{"name": "x", "path": "p", "rank": 2}', "unknown keys"), ("{bad json", "not valid JSON"),
+                       ('{"name": "x", "lora_name": "y", "path": "p"}', "the name or the path twice"),
+                       ('{"lora_name": "x", "lora_path": "p", "pinned": "yes"}', "a boolean pinned")):
         with pytest.raises(ValueError, match=words):
             LoraModuleSpec.parse(bad)
 
