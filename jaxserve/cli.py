@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most LoRA adapters loaded at once (each keeps its factors in host memory: ~2 x rank x "
                    "(in + out) floats per adapted projection); a load beyond it is refused until one is "
                    "unloaded. At least --max-loras. Default: no limit (--max-loaded-loras: SGLang's name)")
+    e.add_argument("--lora-eviction-policy", choices=("lru", "fifo"), default="lru",
+                   help="which adapter gives up its slot to a waiting one, among those no running request uses: "
+                   "the least recently used (lru) or the one that took its slot first (fifo). SGLang's flag")
     e.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the rank of the adapter slots: adapters of a lower rank are padded with zeros, higher "
                    "ranks are refused. Default: the largest --lora-modules rank, and at least 16 with "
@@ -563,6 +566,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if value is not None and not (lora_modules or args.enable_lora):
             raise ConfigError(f"--{flag.replace('_', '-')} sizes LoRA adapter slots, which need --lora-modules or "
                               "--enable-lora")
+    if args.lora_eviction_policy != "lru" and not (lora_modules or args.enable_lora):
+        raise ConfigError("--lora-eviction-policy: LoRA adapters take turns in slots only with --lora-modules or "
+                          "--enable-lora")
     pinned = [spec.name for spec in lora_modules if spec.pinned]
     slots = args.max_loras or max(len(lora_modules), 1)
     if len(pinned) > slots or (len(pinned) == slots and len(lora_modules) > slots):
@@ -617,6 +623,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             speculative_model=args.speculative_model,
             lora_modules=lora_modules,
             lora_target_modules=lora_targets,
+            lora_eviction_policy=args.lora_eviction_policy,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
@@ -776,7 +783,7 @@ _GENERATION_ONLY = {
     "--mm-processor-kwargs": "model.mm_processor_kwargs",
     "--lora-modules": "model.lora_modules", "--enable-lora": "model.enable_lora", "--max-loras": "model.max_loras",
     "--max-lora-rank": "model.max_lora_rank", "--max-cpu-loras": "model.max_cpu_loras",
-    "--lora-target-modules": "model.lora_target_modules",
+    "--lora-target-modules": "model.lora_target_modules", "--lora-eviction-policy": "model.lora_eviction_policy",
 }
 
 

@@ -47,6 +47,7 @@ class ModelConfig:
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
     lora_target_modules: tuple[str, ...] = ()  # the projections the slots cover (): add_lora_capacity's choice
+    lora_eviction_policy: str = "lru"  # lru | fifo: which idle adapter gives up its slot
     enable_prompt_embeds: bool = False  # take embeddings as prompts (input_embeds / prompt_embeds)
     # vLLM's --generation-config (auto | vllm | a folder) and --override-generation-config, read
     # into what requests that leave them unset sample with (jaxserve.generation_config).

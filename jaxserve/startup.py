@@ -287,7 +287,8 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
                                  attention_backend=attention_backend, matmul_backend=matmul_backend,
                                  quantization=quantization, quantization_group=group,
                                  enable_prompt_embeds=config.model.enable_prompt_embeds,
-                                 max_cpu_loras=config.model.max_cpu_loras)
+                                 max_cpu_loras=config.model.max_cpu_loras,
+                                 lora_eviction_policy=config.model.lora_eviction_policy)
     encoder = vision_encoder(ready.loaded, config.model.load_format, config.model.mm_processor_kwargs)
     # The engine takes the weights: nothing here uses the loaded module again.
     engine = build_engine(ready.loaded.model, ready.tokenizer, engine_config, compile=False, take_weights=True,

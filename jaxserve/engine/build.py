@@ -63,6 +63,7 @@ class EngineConfig:
     # LoRA adapters kept loaded at most (vLLM's --max-cpu-loras; None: no limit). The model's
     # adapter slots (jaxserve.models.lora) bound how many decode in one step, not how many load.
     max_cpu_loras: int | None = None
+    lora_eviction_policy: str = "lru"  # which idle adapter gives up its slot (jaxserve.engine.lora_slots)
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -100,7 +101,7 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       jax.local_devices()[0])
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
-    lora = _lora_slots(decoder, config.max_cpu_loras)
+    lora = _lora_slots(decoder, config.max_cpu_loras, config.lora_eviction_policy)
     builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds,
                              lora=lora)
     reserve = 0
@@ -171,14 +172,14 @@ def _drafting_config(decoder: Decoder, config: EngineConfig, draft: Decoder | No
     return dataclasses.replace(config, scheduler=dataclasses.replace(sched, decode_steps=1))
 
 
-def _lora_slots(decoder: Decoder, max_loaded: int | None) -> LoraSlots | None:
+def _lora_slots(decoder: Decoder, max_loaded: int | None, policy: str) -> LoraSlots | None:
     """The bookkeeping of the model's LoRA adapter slots (None: it has none)."""
     if not decoder.lora_slots:
         return None
     from jaxserve.models.lora import slot_targets, target_shapes
 
     return LoraSlots(decoder.lora_slots, decoder.lora_rank, slot_targets(decoder), decoder.cfg.num_layers,
-                     target_shapes(decoder), max_loaded)
+                     target_shapes(decoder), max_loaded, policy)
 
 
 def _input_builder(decoder: Decoder, config: EngineConfig, eos_ids: tuple[int, ...] = (),

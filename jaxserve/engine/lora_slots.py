@@ -50,12 +50,17 @@ class LoraSlots:
     """The loaded adapters and the model's adapter slots."""
 
     def __init__(self, num_slots: int, rank: int, targets: tuple[str, ...], num_layers: int,
-                 shapes: dict[str, tuple[int, int]], max_loaded: int | None = None) -> None:
+                 shapes: dict[str, tuple[int, int]], max_loaded: int | None = None, policy: str = "lru") -> None:
         """num_slots adapters of rank <= `rank` on the projections `targets` (PEFT module names)
         of a model of `num_layers` layers whose projections have these (in, out) `shapes` (what
-        an adapter's files are checked against); at most `max_loaded` loaded (None: no limit)."""
+        an adapter's files are checked against); at most `max_loaded` loaded (None: no limit).
+        policy: which idle adapter gives up its slot, "lru" (the least recently used) or "fifo"
+        (the one that took its slot first), as SGLang's --lora-eviction-policy."""
         if max_loaded is not None and max_loaded < num_slots:
             raise ValueError(f"max_loaded {max_loaded} is below the {num_slots} adapter slots")
+        if policy not in ("lru", "fifo"):
+            raise ValueError(f"the eviction policy is lru or fifo, got {policy!r}")
+        self.policy = policy
         self.num_slots = num_slots
         self.rank = rank
         self.targets = targets
@@ -65,7 +70,7 @@ class LoraSlots:
         self._loaded: dict[str, LoadedLora] = {}
         self._num_loads = 0
         self._holder: list[str | None] = [None] * num_slots  # the adapter in each slot
-        self._last_use: dict[str, int] = {}  # when each slot holder was last acquired
+        self._last_use: dict[str, int] = {}  # when each slot holder was last acquired (fifo: took its slot)
         self._clock = itertools.count()
         self._writes: dict[int, LoadedLora] = {}  # slots given to an adapter, not written yet
 
@@ -163,6 +168,8 @@ class LoraSlots:
         lora = self._loaded[name]
         if name in self._holder:
             slot = self._holder.index(name)
+            if self.policy == "fifo":
+                return slot
         else:
             found = self._take(busy, evict)
             if found is None:
@@ -177,7 +184,7 @@ class LoraSlots:
 
     def _take(self, busy: Collection[str], evict: bool = True) -> int | None:
         """The slot a new holder would take: the lowest free one, else (evict) the least recently
-        acquired one whose adapter is neither busy nor pinned."""
+        acquired (fifo: the earliest taken) one whose adapter is neither busy nor pinned."""
         free = [s for s, holder in enumerate(self._holder) if holder is None]
         if free:
             return free[0]

@@ -106,7 +106,10 @@ def write_slot(leaves: list[Any], where: dict[tuple[int, str, str], int], slot: 
     """Write one adapter's factors (jaxserve.weights.lora_adapter.LoraAdapter.factors) into `slot`
     of the parameters' `leaves`, in place of the old arrays: its rank's columns of every a and
     rows of every b, zeros past its rank and on projections it does not adapt. New arrays, not
-    donated ones: a step already dispatched still reads the old."""
+    donated ones: a step already dispatched still reads the old. All leaves in one jitted call:
+    one dispatch per adapter, not one per factor (SmolLM2's 420 factors on this CPU: ~30 ms
+    against ~45 ms one by one)."""
+    indices, blocks, axes = [], [], []
     for (layer, proj, factor), index in where.items():
         old = leaves[index]
         axis = 1 if factor == "lora_a" else 0  # the rank's axis: a's columns, b's rows
@@ -114,23 +117,25 @@ def write_slot(leaves: list[Any], where: dict[tuple[int, str, str], int], slot: 
         value = factors.get((layer, proj), (None, None))[1 - axis]
         if value is not None:
             block[(slice(None),) * axis + (slice(0, value.shape[axis]),)] = value
-        leaves[index] = _write(old, block, axis, slot * rank)
-
-
-def _write(array: Array, block: np.ndarray, axis: int, start: int) -> Array:
-    # The block goes in as host data (every process of a multi-host job passes the same), not as
-    # an array on one device beside the global parameter.
-    return _writer(array.sharding, axis)(array, np.asarray(block, array.dtype), np.int32(start))
+        # Host data (every process of a multi-host job passes the same), not an array on one
+        # device beside the global parameter.
+        indices.append(index)
+        blocks.append(np.asarray(block, old.dtype))
+        axes.append(axis)
+    writer = _writer(tuple(leaves[i].sharding for i in indices), tuple(axes))
+    for index, new in zip(indices, writer(tuple(leaves[i] for i in indices), tuple(blocks), np.int32(slot * rank))):
+        leaves[index] = new
 
 
 @functools.lru_cache(maxsize=None)
-def _writer(sharding: Any, axis: int) -> Any:
-    """A jitted block write that keeps the array's own sharding (one per sharding and axis)."""
-    def write(array: Array, block: Array, start: Array) -> Array:
-        index = (0, start) if axis == 1 else (start, 0)
-        return jax.lax.dynamic_update_slice(array, block, index)
+def _writer(shardings: tuple[Any, ...], axes: tuple[int, ...]) -> Any:
+    """A jitted write of one block into each array along its axis at `start`, keeping each
+    array's own sharding (one program per model: its factors' shardings and axes)."""
+    def write(arrays: tuple[Array, ...], blocks: tuple[Array, ...], start: Array) -> tuple[Array, ...]:
+        return tuple(jax.lax.dynamic_update_slice(array, block, (0, start) if axis == 1 else (start, 0))
+                     for array, block, axis in zip(arrays, blocks, axes))
 
-    return jax.jit(write, out_shardings=sharding)
+    return jax.jit(write, out_shardings=shardings)
 
 
 def token_mask(slots: Array, num_adapters: int, rank: int, dtype: Any) -> Array:

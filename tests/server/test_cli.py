@@ -83,6 +83,9 @@ def test_lora_flags(tmp_path):
                                      "2", "--max-loaded-loras", "4", "--lora-target-modules", "all"])).model
     assert [(s.name, s.pinned) for s in m.lora_modules] == [("a", False), ("/p", False), ("b", True)]
     assert (m.max_loras, m.max_cpu_loras, len(m.lora_target_modules)) == (2, 4, 7)
+    assert m.lora_eviction_policy == "lru"
+    assert config_from_args(parse_args(["--model", "/m", "--enable-lora", "--lora-eviction-policy", "fifo"]
+                                       )).model.lora_eviction_policy == "fifo"
     m = config_from_args(parse_args(["--model", "/m", "--lora-modules", "a=/a", "--lora-target-modules", "v_proj",
                                      "q_proj"])).model
     assert m.lora_target_modules == ("q_proj", "v_proj")
@@ -100,6 +103,7 @@ def test_lora_flags(tmp_path):
                         (["--lora-paths", '{"lora_name": "a", "lora_path": "/a", "pinned": true}', "b=/b",
                           "--max-loras", "1"], "the adapters not pinned need one"),
                         (["--lora-target-modules", "q_proj"], "need --lora-modules or --enable-lora"),
+                        (["--lora-eviction-policy", "fifo"], "only with --lora-modules or --enable-lora"),
                         (["--enable-lora", "--lora-target-modules", "all", "q_proj"], "`all` goes alone"),
                         (["--enable-lora", "--lora-target-modules", "qkv"], "unknown qkv"),
                         (["--lora-modules", "a=/a", "--max-loras", "2"], "without --enable-lora nothing else")):

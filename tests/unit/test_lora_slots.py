@@ -103,3 +103,15 @@ def _busy_pin() -> None:
         slots.add(name, Path(f"/{name}"), 4, ("q_proj",), {})
         slots.acquire(name, busy=())
     slots.add("q", Path("/q"), 4, ("q_proj",), {}, pinned=True, busy={"a", "b"})
+
+
+def test_fifo_evicts_the_earliest_taken_slot():
+    slots = LoraSlots(2, 8, ("q_proj",), 2, {}, policy="fifo")
+    for name in "abc":
+        slots.add(name, Path(f"/{name}"), 4, ("q_proj",), {})
+    slots.acquire("a", busy=())
+    slots.acquire("b", busy=())
+    slots.acquire("a", busy=())  # used again: lru would now keep it, fifo still evicts it first
+    assert slots.acquire("c", busy=()) == 0 and slots.resident == ("c", "b")
+    with pytest.raises(ValueError, match="lru or fifo"):
+        LoraSlots(2, 8, ("q_proj",), 2, {}, policy="lfu")
