@@ -97,13 +97,14 @@ class LoraSlots:
         except ValueError:
             raise KeyError(f"LoRA adapter {name!r} holds no adapter slot") from None
 
-    def check_fits(self, name: str, rank: int, targets: tuple[str, ...]) -> None:
-        """Raises LoraRefused unless an adapter `name` of this rank and these targets can be loaded now."""
+    def check_fits(self, name: str, rank: int, targets: tuple[str, ...], pinned: bool = False) -> None:
+        """Raises LoraRefused unless an adapter `name` of this rank and these targets can be loaded
+        now (a pinned one: see also check_pin)."""
         if name in self._loaded:
             raise LoraRefused(f"a LoRA adapter named {name!r} is already loaded (from {self._loaded[name].path}); "
                               "unload it first")
         self.check_adapter(name, rank, targets)
-        if sum(lora.pinned for lora in self._loaded.values()) == self.num_slots:
+        if not pinned and sum(lora.pinned for lora in self._loaded.values()) == self.num_slots:
             raise LoraRefused(f"all {self.num_slots} adapter slots (--max-loras) are pinned: an adapter not pinned "
                               "could never run; unload a pinned one first")
         if self.max_loaded is not None and len(self._loaded) >= self.max_loaded:
@@ -139,7 +140,7 @@ class LoraSlots:
             pinned: bool = False, busy: Collection[str] = ()) -> LoadedLora:
         """Load `name` (after check_fits); it takes a slot when a request of it is admitted, or
         now if pinned (after check_pin with the same `busy`)."""
-        self.check_fits(name, rank, targets)
+        self.check_fits(name, rank, targets, pinned)
         if pinned:
             self.check_pin(name, busy)
         self._num_loads += 1
