@@ -507,6 +507,8 @@ class LLM:
             if wanted.setdefault(r.lora_name, r).lora_path != r.lora_path:
                 raise ValueError(f"lora_request: adapter {r.lora_name!r} is given two paths in one call")
         slots = self.engine.lora
+        if not wanted:  # the base model for every prompt (an LLM without LoRA has no slots)
+            return [None] * count
         if slots.max_loaded is not None and len(wanted) > slots.max_loaded:
             raise ValueError(f"{len(wanted)} LoRA adapters in one call, and this LLM keeps {slots.max_loaded} loaded "
                              "(max_cpu_loras)")
