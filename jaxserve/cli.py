@@ -29,6 +29,7 @@ from jaxserve.config import (
     ServerConfig,
     StructuredOutputConfig,
     default_cache_dir,
+    lora_slot_count,
 )
 from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.engine.ngram import MAX_NGRAM_SIZE
@@ -558,19 +559,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.speculative_method == "draft" and args.speculative_model is None:
         raise ConfigError("--speculative-method draft needs --speculative-model PATH")
     lora_modules = _lora_modules(args.lora_modules, args.lora_paths, names)
-    lora_targets = _lora_targets(args.lora_target_modules, bool(lora_modules or args.enable_lora))
+    has_lora = bool(lora_modules or args.enable_lora)
+    lora_targets = _lora_targets(args.lora_target_modules, has_lora)
     for flag in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-        if value is not None and not (lora_modules or args.enable_lora):
+        if value is not None and not has_lora:
             raise ConfigError(f"--{flag.replace('_', '-')} sizes LoRA adapter slots, which need --lora-modules or "
                               "--enable-lora")
-    if args.lora_eviction_policy != "lru" and not (lora_modules or args.enable_lora):
+    if args.lora_eviction_policy != "lru" and not has_lora:
         raise ConfigError("--lora-eviction-policy: LoRA adapters take turns in slots only with --lora-modules or "
                           "--enable-lora")
     pinned = [spec.name for spec in lora_modules if spec.pinned]
-    slots = args.max_loras or max(len(lora_modules), 1)
+    slots = lora_slot_count(args.max_loras, len(lora_modules))
     if len(pinned) > slots or (len(pinned) == slots and len(lora_modules) > slots):
         raise ConfigError(f"--lora-paths: {len(pinned)} pinned adapters ({', '.join(pinned)}) and {slots} adapter "
                           "slots (--max-loras): the adapters not pinned need one to take turns in")

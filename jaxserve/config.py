@@ -180,3 +180,9 @@ class Config:
     attention_backend: str = "auto"  # auto | reference | pallas (resolved for the device at start-up)
     matmul_backend: str = "auto"  # auto | xla | cpu (jaxserve.models.products.resolve_backend)
     decode_steps: int | None = None  # None: auto (jaxserve.startup.resolve_decode_steps)
+
+
+def lora_slot_count(max_loras: int | None, num_modules: int) -> int:
+    """The model's LoRA adapter slots: --max-loras, else one per --lora-modules adapter (at least
+    one, for --enable-lora)."""
+    return max_loras or max(num_modules, 1)

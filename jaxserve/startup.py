@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import Config, ModelConfig, SchedulerConfig
+from jaxserve.config import Config, ModelConfig, SchedulerConfig, lora_slot_count
 from jaxserve.models.config import DecoderConfig
 from jaxserve.parallel import make_mesh, param_sharding_for
 from jaxserve.tokenizer import Tokenizer, load_tokenizer
@@ -179,12 +179,11 @@ def check_lora_sources(cfg: ModelConfig) -> None:
 def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
     """Give the loaded model its LoRA adapter slots: --max-loras of them (default: one per
     --lora-modules adapter, or one with --enable-lora; with fewer, the adapters take turns in
-    them), of rank --max-lora-rank (default: the
-    largest adapter's, at least vLLM's 16 with --enable-lora), on --lora-target-modules (default:
-    the projections the adapters adapt, all seven with --enable-lora: adapters loaded later may
-    adapt any). Returns the
-    --lora-modules adapters, read (jaxserve.weights.lora_adapter.LoraAdapter), for
-    `load_lora_modules`: their files are read once."""
+    them), of rank --max-lora-rank (default: the largest adapter's, at least vLLM's 16 with
+    --enable-lora), on --lora-target-modules (default: the projections the adapters adapt, all
+    seven with --enable-lora: adapters loaded later may adapt any). Returns the --lora-modules
+    adapters, read (jaxserve.weights.lora_adapter.LoraAdapter), for `load_lora_modules`: their
+    files are read once."""
     if not cfg.lora_modules and not cfg.enable_lora:
         return []
     if cfg.enable_lora and jax.process_count() > 1:
@@ -203,7 +202,7 @@ def add_lora_capacity(decoder: Any, cfg: ModelConfig) -> list[Any]:
             raise ValueError(f"--lora-modules: {spec.name} adapts {', '.join(outside)}, which --lora-target-modules "
                              f"leaves out ({', '.join(targets)})")
     rank = cfg.max_lora_rank or max([DEFAULT_LORA_RANK if cfg.enable_lora else 1, *(a.rank for a in adapters)])
-    slots = cfg.max_loras or max(len(adapters), 1)
+    slots = lora_slot_count(cfg.max_loras, len(adapters))
     if slots < len(adapters) and jax.process_count() > 1:
         # Adapters would change slots while serving, and those writes reach process 0's devices only.
         raise ValueError(f"--max-loras {slots} is fewer than the {len(adapters)} adapters of --lora-modules, and a "

@@ -330,7 +330,7 @@ class Engine:
         pinned: it takes a slot now and keeps it (SGLang's)."""
         slots = self._lora_slots()
         name, targets = adapter.name, tuple(adapter.targets)
-        busy = {s.params.lora for s in self.scheduler.running} - {None}
+        busy = self.scheduler.running_adapters()
         if replace and slots.get(name) is not None:
             slots.check_adapter(name, adapter.rank, targets)
             if pinned:

@@ -154,6 +154,10 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []  # pages forked beams need copied
         self.adapters: LoraSlots | None = None  # the model's LoRA adapter slots (set by the engine's builder)
 
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters running sequences decode with: their slots cannot be given away."""
+        return {s.params.lora for s in self.running} - {None}
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -365,6 +369,7 @@ class Scheduler:
         sequences after it (see the module's docstring)."""
         i = 0
         adapter_blocked = False
+        busy: set[str] | None = None  # running_adapters(), once an adapter sequence asks
         while i < len(self.waiting):
             if budget <= 0 or len(plan.prefills) >= self.config.max_prefill_seqs:
                 return
@@ -384,11 +389,12 @@ class Scheduler:
             if not self.allocator.can_allocate(num_new, cached):
                 return
             if adapter is not None and self.adapters is not None:
-                busy = {s.params.lora for s in self.running}
+                busy = self.running_adapters() if busy is None else busy
                 if self.adapters.acquire(adapter, busy) is None:  # the last check: it takes the slot
                     adapter_blocked = True
                     i += 1
                     continue
+                busy.add(adapter)
             del self.waiting[i]
             first_admission = seq.num_preemptions == 0
             cached, num_cached = self.allocator.match_prefix(tokens, count_stats=first_admission, root=root)
@@ -700,7 +706,7 @@ class Scheduler:
                 problems.append(f"waiting sequence {seq.seq_id} holds pages, a slot or computed tokens")
         if self.adapters is not None:
             resident = set(self.adapters.resident)
-            stray = {s.params.lora for s in self.running} - resident - {None}
+            stray = self.running_adapters() - resident
             if stray:
                 problems.append(f"running sequences decode with LoRA adapters {sorted(stray)} that hold no slot")
         if held[NULL_PAGE]:
