@@ -366,7 +366,8 @@ class LLM:
         if set(data) - {"image"}:
             raise ValueError(f"multi_modal_data: only images are taken; got {sorted(data)}")
         if self.images is None:
-            raise ValueError(f"multi_modal_data: {self.engine.info.architecture} takes no images (a text-only model)")
+            raise ValueError(f"multi_modal_data: {self.engine.info.architecture} takes no images "
+                             "(served as a text-only model)")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         ids = self._prompt_ids({k: v for k, v in prompt.items() if k != "multi_modal_data"})

@@ -306,10 +306,13 @@ def vision_encoder(loaded: LoadedModel, load_format: str = "auto",
     """A vision-language checkpoint's image encoder (its vision side, in the language model's
     dtype), None for a text-only model. processor_kwargs: --mm-processor-kwargs (Qwen2.5-VL's
     max_pixels sizes the encoder)."""
-    from jaxserve.models.config import VISION_LANGUAGE_ARCHITECTURES
+    from jaxserve.models.config import LANGUAGE_MODEL_ONLY_ARCHITECTURES, VISION_LANGUAGE_ARCHITECTURES
 
     config = loaded.source.config
     archs = config.get("architectures") or []
+    language_only = [a for a in archs if a in LANGUAGE_MODEL_ONLY_ARCHITECTURES]
+    if language_only:
+        log.warning("%s: serving its language model only; requests with images are refused", language_only[0])
     if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
         if processor_kwargs:
             raise ValueError("--mm-processor-kwargs: this model takes no images (a vision-language model's image "

@@ -39,6 +39,8 @@ TINY_CLASSIFIERS: dict[str, tuple[str, str, dict[str, Any]]] = {
                   {**TINY_CONFIGS["qwen3"][1], "id2label": {0: "a", 1: "b", 2: "c", 3: "d"}}),
     "gemma2-cls": ("Gemma2Config", "Gemma2ForSequenceClassification",
                    {**TINY_CONFIGS["gemma2"][1], "id2label": SENTIMENT}),
+    "gemma3-cls": ("Gemma3TextConfig", "Gemma3TextForSequenceClassification",
+                   {**TINY_CONFIGS["gemma3"][1], "num_labels": 2}),
     "qwen2-reward": ("Qwen2Config", "Qwen2ForRewardModel", {"num_labels": 1}),
     "bert-cls": ("BertConfig", "BertForSequenceClassification", {"id2label": SENTIMENT}),
     "roberta-cls": ("RobertaConfig", "RobertaForSequenceClassification",

@@ -56,6 +56,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
         ),
     ),
+    # Sliding layers rotate by their own base; the full layer's RoPE is linearly scaled (as
+    # Gemma3 4B-27B's). Layers: sliding, full, sliding.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16, sliding_window=5, query_pre_attn_scalar=24, sliding_window_pattern=2,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1_000_000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            ),
+        ),
+    ),
 }
 
 
@@ -68,6 +80,21 @@ def make_tiny_model(name: str, directory: Path, seed: int = 0) -> transformers.P
     randomize_weights(model)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def dense_logits(decoder: Any, prompts: list[list[int]]) -> Any:
+    """Our no-cache forward (the reference the engine tests compare with) on right-padded
+    `prompts`: numpy float32 logits [len(prompts), longest, vocab]."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    t = max(map(len, prompts))
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    return np.asarray(decoder(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths)))
 
 
 def randomize_weights(model: torch.nn.Module) -> None:

@@ -227,7 +227,8 @@ class Engine:
         image placeholder token inside an image's span: a placeholder without its image would
         be read as the placeholder's own embedding (every route and `LLM` pass here)."""
         if images and self.encoder is None:
-            raise InvalidRequestError("image", f"{self.info.architecture} takes no images (a text-only model)")
+            raise InvalidRequestError("image",
+                                      f"{self.info.architecture} takes no images (served as a text-only model)")
         if embeds and not self.info.embed_dim:
             raise InvalidRequestError("input_embeds", "this server takes no embeddings as input; start it with "
                                       "--enable-prompt-embeds")

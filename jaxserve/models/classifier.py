@@ -39,6 +39,7 @@ DECODER_CLASSIFIERS: dict[str, str] = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
     "Qwen2ForRewardModel": "Qwen2ForCausalLM",
 }
 CLASSIFIER_ARCHITECTURES = (*DECODER_CLASSIFIERS, *ENCODER_CLASSIFIERS)

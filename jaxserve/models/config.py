@@ -1,8 +1,8 @@
 """Architecture description of a decoder-only model, parsed from a Hugging Face config.json.
 
 One frozen dataclass describes every supported family; the differences between Llama, Mistral,
-Qwen2, Qwen3 and Gemma2 are a handful of switches (biases, q/k norms, sandwich norms, soft-caps,
-per-layer sliding windows). The model code reads only this, never the raw HF dict.
+Qwen2, Qwen3, Gemma2 and Gemma3 are a handful of switches (biases, q/k norms, sandwich norms,
+soft-caps, per-layer sliding windows and RoPE). The model code reads only this, never the raw HF dict.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxserve.multimodal import VISION_LANGUAGE_ARCHITECTURES
+from jaxserve.multimodal import LANGUAGE_MODEL_ONLY_ARCHITECTURES, VISION_LANGUAGE_ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -19,15 +19,27 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 
-# Vision-language models (VISION_LANGUAGE_ARCHITECTURES): their language model is one of the
-# families above, described by config.json's text_config (jaxserve.models.vision and
-# jaxserve.models.qwen2_vl_vision hold the vision sides).
+# Vision-language models (VISION_LANGUAGE_ARCHITECTURES, and LANGUAGE_MODEL_ONLY_ARCHITECTURES
+# served without their images): their language model is one of the families above, described by
+# config.json's text_config (jaxserve.models.vision and jaxserve.models.qwen2_vl_vision hold the
+# vision sides).
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                       "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+                       "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+                       "gemma3_text": "Gemma3ForCausalLM"}
+
+# Gemma3TextConfig's defaults: the Hub's Gemma3 4B-27B configs write only what differs from them
+# into text_config (4B's names neither heads nor vocabulary).
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0, tie_word_embeddings=True,
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -57,6 +69,9 @@ class DecoderConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
+    # Gemma3: the sliding-window layers' own RoPE (a lower base, no scaling); None: every layer's
+    # is `rope`.
+    local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     # Biases: Llama's `attention_bias` covers q/k/v/o; Qwen2 has q/k/v bias only.
@@ -65,8 +80,8 @@ class DecoderConfig:
     mlp_bias: bool = False
     # Qwen3: RMSNorm over head_dim on q and k before RoPE.
     qk_norm: bool = False
-    # Gemma2: RMSNorm scales by (1 + w), norms after attention and around the MLP,
-    # embeddings scaled by sqrt(hidden), tanh soft-caps on attention and final logits.
+    # Gemma2 and Gemma3: RMSNorm scales by (1 + w), norms after attention and around the MLP,
+    # embeddings scaled by sqrt(hidden); Gemma2's tanh soft-caps on attention and final logits.
     norm_weight_offset: float = 0.0
     sandwich_norms: bool = False
     embed_scale: float = 1.0
@@ -100,9 +115,12 @@ def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _rope(cfg: dict[str, Any]) -> RopeConfig:
+def _rope(cfg: dict[str, Any], layer_type: str | None = None) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; older checkpoints write rope_theta + rope_scaling.
+    # Models whose layer types rotate differently (Gemma3) key `rope_parameters` by layer type.
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = dict(cfg.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
@@ -123,6 +141,16 @@ def _rope(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _gemma3_local_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """Gemma3's sliding-window layers' RoPE: `rope_parameters["sliding_attention"]`
+    (transformers 5), else the Hub configs' `rope_local_base_freq` (default 10,000), unscaled:
+    `rope_scaling` applies to the full-attention layers only."""
+    params = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(params, dict):
+        return _rope({"rope_parameters": params})
+    return RopeConfig(theta=float(_get(cfg, "rope_local_base_freq", 10000.0)))
+
+
 def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
     merged = {**dict(cfg.get("rope_scaling") or {}), **dict(cfg.get("rope_parameters") or {})}
     return tuple(int(x) for x in merged.get("mrope_section") or ())
@@ -140,9 +168,11 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     layer_types = cfg.get("layer_types")
     if arch == "MistralForCausalLM":
         return (int(window),) * num_layers
-    if arch == "Gemma2ForCausalLM" and not layer_types:
-        # Gemma2 alternates: even layers slide, odd layers see everything.
-        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") and not layer_types:
+        # Gemma2 alternates: even layers slide, odd layers see everything. Gemma3's Hub configs
+        # name a period instead: every sliding_window_pattern-th layer sees everything (6).
+        period = 2 if arch == "Gemma2ForCausalLM" else int(_get(cfg, "sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not layer_types:
         if cfg.get("use_sliding_window") and window:
             first_full = int(_get(cfg, "max_window_layers", num_layers))
@@ -160,11 +190,13 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a vision-language config.json (its text_config, with the
     causal-LM architecture of its model_type); any other config as it is."""
     archs = cfg.get("architectures") or []
-    if not any(a in VISION_LANGUAGE_ARCHITECTURES for a in archs):
+    if not any(a in VISION_LANGUAGE_ARCHITECTURES + LANGUAGE_MODEL_ONLY_ARCHITECTURES for a in archs):
         return cfg
     # Hub checkpoints of Qwen2.5-VL keep the language model's keys at the top level.
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
     model_type = text.get("model_type", "llama")
+    if model_type == "gemma3_text":
+        text = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
     if model_type not in _TEXT_ARCHITECTURES:
         raise UnsupportedModelError(f"{archs[0]}'s language model {model_type!r} is not supported; supported: "
                                     + ", ".join(_TEXT_ARCHITECTURES))
@@ -183,7 +215,7 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or '(none given)'} is not supported; supported: "
-            + ", ".join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE_ARCHITECTURES)
+            + ", ".join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE_ARCHITECTURES + LANGUAGE_MODEL_ONLY_ARCHITECTURES)
         )
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -206,7 +238,7 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
         head_dim=head_dim,
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        rope=_rope(cfg),
+        rope=_rope(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None),
         hidden_act=act,
         layer_windows=_layer_windows(cfg, arch, num_layers),
         bos_token_id=cfg.get("bos_token_id"),
@@ -219,6 +251,26 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
             tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
             qkv_bias=bool(_get(cfg, "attention_bias", False)),
             o_bias=bool(_get(cfg, "attention_bias", False)),
+            norm_weight_offset=1.0,
+            sandwich_norms=True,
+            embed_scale=math.sqrt(hidden),
+            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            query_scale=float(_get(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
+        )
+    if arch == "Gemma3ForCausalLM":
+        if cfg.get("use_bidirectional_attention"):
+            # EmbeddingGemma's encoder: its tokens see the whole window both ways.
+            raise UnsupportedModelError("Gemma3 with use_bidirectional_attention (an encoder, as EmbeddingGemma) "
+                                        "is not supported")
+        bias = bool(_get(cfg, "attention_bias", False))
+        return DecoderConfig(
+            **common,
+            local_rope=_gemma3_local_rope(cfg),
+            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
             norm_weight_offset=1.0,
             sandwich_norms=True,
             embed_scale=math.sqrt(hidden),

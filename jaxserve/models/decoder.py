@@ -1,4 +1,4 @@
-"""One Flax NNX decoder for the Llama, Mistral, Qwen2, Qwen3 and Gemma2 families.
+"""One Flax NNX decoder for the Llama, Mistral, Qwen2, Qwen3, Gemma2 and Gemma3 families.
 
 Every layer holds its own parameter buffers (`layers` is an `nnx.List`) and the layers run as an
 unrolled loop (`jaxserve.models.layers.run_layers`), so each weight is read in place by the
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxserve.models import products
-from jaxserve.models.config import DecoderConfig
+from jaxserve.models.config import DecoderConfig, RopeConfig
 from jaxserve.models.layers import Linear, RMSNorm, run_layers, zeros_param
 
 Array = jax.Array
@@ -42,9 +42,10 @@ class AttentionFn(Protocol):
     def __call__(self, q: Array, k: Array, v: Array, cache: Any, window: Array, layer: Array) -> tuple[Array, Any]: ...
 
 
-def rope_inv_freq(cfg: DecoderConfig) -> Array:
-    """Inverse frequencies [head_dim // 2], with llama3 / linear scaling applied."""
-    rope = cfg.rope
+def rope_inv_freq(cfg: DecoderConfig, rope: RopeConfig | None = None) -> Array:
+    """Inverse frequencies [head_dim // 2] of `rope` (default: cfg.rope), with llama3 / linear
+    scaling applied."""
+    rope = rope or cfg.rope
     dim = cfg.head_dim
     inv = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if rope.kind == "linear":
@@ -160,11 +161,11 @@ class DecoderLayer(nnx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora_mask)), cache
 
 
-def _layer_body(layer: DecoderLayer, carry: tuple[Array, Any], shared: tuple[Any, AttentionFn, Array | None],
-                per_layer: tuple[Array, Array]) -> tuple[Array, Any]:
+def _layer_body(layer: DecoderLayer, carry: tuple[Array, Any], shared: tuple[AttentionFn, Array | None],
+                per_layer: tuple[Array, Array, tuple[Array, Array]]) -> tuple[Array, Any]:
     x, cache = carry
-    rope, attend, lora_mask = shared
-    window, index = per_layer
+    attend, lora_mask = shared
+    window, index, rope = per_layer
     return layer(x, rope, attend, cache, window, index, lora_mask)
 
 
@@ -209,13 +210,18 @@ class Decoder(nnx.Module):
             rope_positions = jnp.repeat(positions[..., None], 3, axis=-1)
         rope = rope_tables(positions if rope_positions is None else rope_positions, rope_inv_freq(self.cfg), x.dtype,
                            self.cfg.mrope_section)
-        per_layer = [(jnp.int32(window), jnp.int32(i)) for i, window in enumerate(self.cfg.windows())]
+        # Each layer is handed its RoPE tables: Gemma3's sliding-window layers rotate by their own.
+        local = rope
+        if self.cfg.local_rope is not None:
+            local = rope_tables(positions, rope_inv_freq(self.cfg, self.cfg.local_rope), x.dtype)
+        per_layer = [(jnp.int32(window), jnp.int32(i), local if window else rope)
+                     for i, window in enumerate(self.cfg.windows())]
         lora_mask = None
         if self.lora_slots and lora_slots is not None:
             from jaxserve.models.lora import token_mask
 
             lora_mask = token_mask(lora_slots, self.lora_slots, self.lora_rank, x.dtype)
-        x, cache = run_layers(self.layers, _layer_body, (x, cache), (rope, attend, lora_mask), per_layer)
+        x, cache = run_layers(self.layers, _layer_body, (x, cache), (attend, lora_mask), per_layer)
         return self.norm(x), cache
 
     @property

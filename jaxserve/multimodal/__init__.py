@@ -8,3 +8,8 @@ VISION_LANGUAGE_ARCHITECTURES = (
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
 )
+
+# Vision-language checkpoints served as their language model alone: text in, text out, and a
+# request with an image refused (400 naming it). Gemma3's vision side would need its image tokens
+# to attend to each other both ways inside the paged kernels, which they do not yet.
+LANGUAGE_MODEL_ONLY_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)

@@ -458,8 +458,8 @@ def chat_messages(messages: list[ChatMessage], images: list[tuple[str, str]] | N
             texts = []
             for k, part in enumerate(m.content):
                 if part.type == "image_url":
-                    raise ApiError(400, f"messages[{i}].content[{k}]: this model takes no images (a text-only model)",
-                                   f"messages[{i}].content[{k}]", code="not_supported")
+                    raise ApiError(400, f"messages[{i}].content[{k}]: this model takes no images (served as a "
+                                   "text-only model)", f"messages[{i}].content[{k}]", code="not_supported")
                 if part.type == "text" and part.text is None:
                     raise _no_text(f"messages[{i}].content[{k}]")
                 if part.type != "text":
@@ -531,7 +531,7 @@ async def expand_images(state: ServerState, prompt: list[int], urls: list[tuple[
     mm_processor_kwargs, the image processor's options for this request (400 on a text-only model)."""
     if state.images is None:
         if processor_kwargs:
-            raise ApiError(400, "mm_processor_kwargs: this model takes no images (a text-only model)",
+            raise ApiError(400, "mm_processor_kwargs: this model takes no images (served as a text-only model)",
                            "mm_processor_kwargs")
         return prompt, []
     images = state.images.with_kwargs(processor_kwargs)

@@ -172,8 +172,8 @@ async def _inputs(state: ServerState, req: GenerateRequest) -> tuple[list[_Promp
     images = _image_specs(req.image_data, len(prompts), batch)
     if state.images is None:
         if any(images):
-            raise ApiError(400, f"image_data: {state.engine.info.architecture} takes no images (a text-only model)",
-                           "image_data", code="not_supported")
+            raise ApiError(400, f"image_data: {state.engine.info.architecture} takes no images (served as a "
+                           "text-only model)", "image_data", code="not_supported")
         return [_Prompt(p) for p in prompts], batch
     # The image limit is per request, however its prompts share the images.
     check_count(sum(map(len, images)), state.images.policy, "image_data")

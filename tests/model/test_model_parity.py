@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jaxserve.weights import load_model
-from tiny_models import TINY_CONFIGS, make_tiny_model
+from tiny_models import TINY_CONFIGS, dense_logits, make_tiny_model
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18], [1, 42], [1, 9, 8, 7, 6, 5, 4]]
 
@@ -19,15 +19,6 @@ def _hf_logits(model, prompt: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float().numpy()
 
-
-def _jax_logits(decoder, prompts: list[list[int]]) -> np.ndarray:
-    t = max(map(len, prompts))
-    tokens = np.zeros((len(prompts), t), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    return np.asarray(decoder(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths)))
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -39,7 +30,7 @@ def tiny(request, tmp_path_factory):
 def test_float32_logits_match_hf(tiny):
     directory, hf = tiny
     loaded = load_model(directory, "float32", use_cache=False)
-    ours = _jax_logits(loaded.model, PROMPTS)
+    ours = dense_logits(loaded.model, PROMPTS)
     for i, prompt in enumerate(PROMPTS):
         ref = _hf_logits(hf, prompt)
         np.testing.assert_allclose(ours[i, : len(prompt)], ref, atol=1e-4, rtol=0)
@@ -53,7 +44,7 @@ def test_bfloat16_error_no_worse_than_hf_bfloat16(tiny):
     directory, hf = tiny
     loaded = load_model(directory, "bfloat16", use_cache=False)
     assert loaded.model.embed_tokens[...].dtype == jnp.bfloat16
-    ours = _jax_logits(loaded.model, PROMPTS)
+    ours = dense_logits(loaded.model, PROMPTS)
     hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
     for i, prompt in enumerate(PROMPTS):
         ref = _hf_logits(hf, prompt)

@@ -19,8 +19,9 @@ from tiny_models import _BASE, TINY_CONFIGS
 pytestmark = pytest.mark.slow
 
 # llama3: GQA with 2 kv heads (replicated KV at TP 4 and 8); qwen2: tied embeddings and qkv biases;
-# gemma2: sliding windows, soft-caps and sandwich norms. All have 4 q heads (replicated at TP 8).
-NAMES = ("llama3", "qwen2", "gemma2")
+# gemma3: sliding windows with their own RoPE, q/k norms and sandwich norms (as gemma2, whose soft-caps
+# are elementwise). All have 4 q heads (replicated at TP 8).
+NAMES = ("llama3", "qwen2", "gemma3")
 SIZES = (1, 2, 4, 8)
 # Quantized weights at one size of each kind: unsplit, q heads split (as at 2), q heads replicated.
 QUANTIZED_SIZES = (1, 4, 8)
