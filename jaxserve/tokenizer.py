@@ -325,7 +325,8 @@ def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
 
 
 # GGUF general.architecture -> the transformers converter that builds its fast tokenizer.
-_GGUF_TOKENIZER_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_TOKENIZER_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                          "gemma3": "gemma3_text"}
 
 
 def _hf_tokenizer_from_gguf(path: Path) -> tuple[Any, dict[str, Any]]:

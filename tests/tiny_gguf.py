@@ -1,5 +1,6 @@
-"""GGUF files written from the tiny HF llama checkpoints (tiny_models.py) as llama.cpp's converter
-writes them: RoPE rows interleaved, llama.cpp's tensor names, each 2-D weight in a chosen type."""
+"""GGUF files written from the tiny HF checkpoints (tiny_models.py) as llama.cpp's converter writes
+them: llama's RoPE rows interleaved, Gemma's norms shifted, llama.cpp's tensor names, each 2-D
+weight in a chosen type."""
 
 from __future__ import annotations
 
@@ -20,10 +21,41 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
     `qtype`, or in types[gguf name] (e.g. {"blk.0.ffn_up.weight": Q.Q5_0}). The gguf package cannot
     quantize to Q4_K or Q6_K, so those tensors get random super-blocks (random_k_blocks) instead of
     the checkpoint's values: a model the file defines, for comparing two ways of reading it."""
+    write_gguf(path, hf_dir, config, "llama", qtype, types)
+
+
+def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[str, Q] | None = None,
+               tokens: list[str] | None = None) -> None:
+    """As write_llama_gguf, for GGUF architecture `arch` (llama, gemma2 or gemma3). Gemma files are
+    written as llama.cpp's converter writes them: norms stored as 1 + w, the sliding window,
+    soft-caps and the sliding layers' RoPE base in the metadata, q/k rows not interleaved. tokens:
+    a vocabulary to store with the config's bos and eos (the weights alone need none)."""
     from safetensors.numpy import load_file
 
     tensors = load_file(hf_dir / "model.safetensors")
-    w = gguf.GGUFWriter(path, "llama")
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(path, arch)
+    rope = config.rope_parameters
+    if gemma:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_sliding_window(config.sliding_window)
+        pattern = [t == "sliding_attention" for t in config.layer_types]
+        w.add_sliding_window_pattern(pattern)
+        if config.attn_logit_softcapping:
+            w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if config.final_logit_softcapping:
+            w.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+        if rope.get("rope_type", "default") != "default":
+            w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+            w.add_rope_scaling_factor(rope["factor"])
+    if tokens is not None:
+        w.add_token_list(tokens)
+        w.add_bos_token_id(config.bos_token_id)
+        w.add_eos_token_id(config.eos_token_id)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -31,16 +63,18 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(config.vocab_size)
-    names = {v: k for k, v in _GGUF_TO_HF(tensors).items()}
+    names = {v: k for k, v in _GGUF_TO_HF(tensors, arch).items()}
     for hf, arr in tensors.items():
         if hf == "lm_head.weight":
             continue
         arr = arr.astype(np.float32)
-        if hf.endswith("q_proj.weight"):
+        if gemma and hf.endswith("norm.weight"):
+            arr = arr + 1
+        elif arch == "llama" and hf.endswith("q_proj.weight"):
             arr = _permute(arr, config.num_attention_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif arch == "llama" and hf.endswith("k_proj.weight"):
             arr = _permute(arr, config.num_key_value_heads)
         kind = (types or {}).get(names[hf], qtype)
         if arr.ndim == 2 and kind in (Q.Q4_K, Q.Q6_K):
@@ -55,12 +89,13 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
     w.close()
 
 
-def _GGUF_TO_HF(tensors) -> dict[str, str]:
+def _GGUF_TO_HF(tensors, arch: str = "llama") -> dict[str, str]:
     out = {}
     for i in range(64):
-        for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                  "ffn_down", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
             for suffix in ("weight", "bias"):
-                hf = _hf_name(f"blk.{i}.{g}.{suffix}")
+                hf = _hf_name(f"blk.{i}.{g}.{suffix}", arch)
                 if hf in tensors:
                     out[f"blk.{i}.{g}.{suffix}"] = hf
     for g in ("token_embd", "output_norm", "output"):

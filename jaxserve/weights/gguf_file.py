@@ -20,7 +20,11 @@ import numpy as np
 from jaxserve.weights.safetensors_dir import TensorSource, WeightsError
 
 # GGUF general.architecture -> HF architectures entry. Mistral checkpoints convert as "llama".
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w, which llama.cpp multiplies
+# by as any norm weight. The model here adds the 1 itself, so it is taken off when read.
+_GEMMA = ("gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -34,6 +38,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms per layer ("sandwich"): llama.cpp's ffn_norm is the pre-MLP norm, which Gemma
+# calls pre_feedforward_layernorm (its post_attention_layernorm follows the attention).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -79,15 +91,56 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _end_ids(reader, arch),
         "torch_dtype": weights_dtype(reader),
     }
+    if arch in _GEMMA:
+        cfg.update(_gemma_config(reader, arch, cfg))
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
     if "rope_freqs.weight" in names:
         raise WeightsError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
     return cfg
+
+
+def _end_ids(reader: Any, arch: str) -> list[int] | int | None:
+    """The tokens that end a generation, as llama.cpp ends it: the file's eos, its end-of-turn and
+    end-of-message tokens when it names them, and Gemma's <end_of_turn> (the chat template closes
+    every turn with it; a Gemma GGUF's eos is <eos>)."""
+    ids = [field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    if arch in _GEMMA:
+        tokens = field(reader, "tokenizer.ggml.tokens") or []
+        ids.append(next((i for i, t in enumerate(tokens) if t == "<end_of_turn>"), None))
+    ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma settings a GGUF leaves to llama.cpp's code, as llama.cpp reads them: the query
+    scale is 1/sqrt(hidden / heads) for the 27B models (Gemma2's 46 layers, Gemma3's 62) and
+    1/sqrt(head_dim) otherwise; Gemma2 alternates sliding and full layers, Gemma3 has one full
+    layer in six (unless the file names its pattern), its sliding layers rotating at base 10,000
+    unless the file says otherwise."""
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    is_27b = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": hidden // heads if is_27b else cfg["head_dim"],
+        "sliding_window": int(field(reader, f"{arch}.attention.sliding_window", 4096)),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # per layer, True where the layer slides
+        out["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+    else:
+        out["sliding_window_pattern"] = int(pattern)
+        out["layer_types"] = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                              for i in range(layers)]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = float(field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+    return out
 
 
 def weights_dtype(reader: Any) -> str:
@@ -101,11 +154,13 @@ def weights_dtype(reader: Any) -> str:
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(most, most.lower())
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
+    """GGUF tensor `name` of a file of GGUF architecture `arch` -> its HF name (None: not a model tensor)."""
     base, _, suffix = name.rpartition(".")
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
@@ -140,12 +195,14 @@ def _permuted_heads(cfg: dict[str, Any], hf: str) -> int | None:
 
 def tensor_types(reader: Any) -> dict[str, str]:
     """HF name -> the GGUF tensor's type name (F32, Q4_1, Q6_K, ...)."""
-    return {hf: t.tensor_type.name for t in reader.tensors if (hf := _hf_name(t.name)) is not None}
+    arch = field(reader, "general.architecture")
+    return {hf: t.tensor_type.name for t in reader.tensors if (hf := _hf_name(t.name, arch)) is not None}
 
 
 def gguf_name(hf: str, reader: Any) -> str:
     """The GGUF name of the tensor that holds HF tensor `hf` (for messages)."""
-    return next((t.name for t in reader.tensors if _hf_name(t.name) == hf), hf)
+    arch = field(reader, "general.architecture")
+    return next((t.name for t in reader.tensors if _hf_name(t.name, arch) == hf), hf)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -208,8 +265,9 @@ def open_blocks(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tuple
     """HF name -> (type name, loader of decode_blocks' (q, d, mn) in HF's [out, in] orientation,
     RoPE rows un-interleaved as open_tensors does) for every tensor stored in KEPT_TYPES blocks."""
     out: dict[str, tuple[str, Callable[[], tuple]]] = {}
+    arch = field(reader, "general.architecture")
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, arch)
         if hf is None or t.tensor_type.name not in KEPT_TYPES:
             continue
         cols, rows = (int(n) for n in t.shape)  # ggml lists dimensions innermost first
@@ -234,18 +292,22 @@ def open_tensors(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tupl
     import gguf
 
     out: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]] = {}
+    arch = field(reader, "general.architecture")
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, arch)
         if hf is None:
             raise WeightsError(f"{path}: unexpected tensor {t.name!r}")
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first
         heads = _permuted_heads(cfg, hf)
+        shift = 1.0 if arch in _GEMMA and hf.endswith("norm.weight") else 0.0
 
-        def load(t=t, shape=shape, heads=heads) -> np.ndarray:
+        def load(t=t, shape=shape, heads=heads, shift=shift) -> np.ndarray:
             try:
                 w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
             except NotImplementedError as e:
                 raise WeightsError(f"{path}: tensor {t.name} uses unsupported type {t.tensor_type.name}") from e
+            if shift:
+                w = w - shift
             return _unpermute(w, heads) if heads else w
 
         out[hf] = (load, shape, np.dtype(np.float32))
