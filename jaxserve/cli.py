@@ -738,8 +738,9 @@ def _lora_modules(modules: Any, paths: Any, served: list[str]) -> tuple[Any, ...
 
 
 def _lora_targets(modules: list[str] | None, has_lora: bool) -> tuple[str, ...]:
-    """--lora-target-modules checked: known projection names, `all` alone standing for all."""
-    from jaxserve.weights.lora_adapter import TARGETS
+    """--lora-target-modules checked: known projection names (a fused one, Phi-3's qkv_proj or
+    gate_up_proj, standing for its parts), `all` alone standing for all."""
+    from jaxserve.weights.lora_adapter import FUSED_TARGETS, TARGETS
 
     if modules is None:
         return ()
@@ -750,10 +751,11 @@ def _lora_targets(modules: list[str] | None, has_lora: bool) -> tuple[str, ...]:
         if len(modules) > 1:
             raise ConfigError("--lora-target-modules: `all` goes alone")
         return tuple(TARGETS)
-    unknown = sorted(set(modules) - set(TARGETS))
+    unknown = sorted(set(modules) - set(TARGETS) - set(FUSED_TARGETS))
     if unknown:
-        raise ConfigError(f"--lora-target-modules: unknown {', '.join(unknown)} (known: {', '.join(TARGETS)}, all)")
-    return tuple(sorted(set(modules)))
+        raise ConfigError(f"--lora-target-modules: unknown {', '.join(unknown)} "
+                          f"(known: {', '.join([*TARGETS, *FUSED_TARGETS])}, all)")
+    return tuple(sorted({part for m in modules for part in (FUSED_TARGETS[m][1] if m in FUSED_TARGETS else (m,))}))
 
 
 def _name_of(model: str) -> str:

@@ -326,7 +326,7 @@ def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
 
 # GGUF general.architecture -> the transformers converter that builds its fast tokenizer.
 _GGUF_TOKENIZER_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                          "gemma3": "gemma3_text"}
+                          "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
 def _hf_tokenizer_from_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
@@ -344,6 +344,12 @@ def _hf_tokenizer_from_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     arch = field(reader, "general.architecture")
     if arch not in _GGUF_TOKENIZER_MODELS:
         raise ValueError(f"{path}: no tokenizer converter for GGUF architecture {arch!r}")
+    if arch == "phi3" and field(reader, "tokenizer.ggml.model") != "llama":
+        # Phi-4's byte-level BPE (tiktoken's pre-tokenizer): transformers' phi3 converter builds
+        # Phi-3's SentencePiece vocabulary only.
+        raise ValueError(f"{path}: no tokenizer converter for a phi3 GGUF with a "
+                         f"{field(reader, 'tokenizer.ggml.model')!r} vocabulary (Phi-4's); serve the Hugging Face "
+                         "checkpoint instead")
     wanted = {f"tokenizer.{key}" for renames in GGUF_TOKENIZER_MAPPING.values() for key in renames}
     metadata = {key: field(reader, key) for key in wanted if key in reader.fields}
     backend_dict = {name: metadata[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()

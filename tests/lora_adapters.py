@@ -17,6 +17,8 @@ ADAPTERS: dict[str, dict[str, Any]] = {
                                                     "down_proj"]),
     "poet": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
                  alpha_pattern={"down_proj": 2}),
+    # Phi-3 / Phi-4's fused projections, which the model holds as their parts.
+    "phi3-fused": dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
 }
 
 

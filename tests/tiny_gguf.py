@@ -26,7 +26,8 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
 
 def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[str, Q] | None = None,
                tokens: list[str] | None = None) -> None:
-    """As write_llama_gguf, for GGUF architecture `arch` (llama, gemma2 or gemma3). Gemma files are
+    """As write_llama_gguf, for GGUF architecture `arch` (llama, gemma2, gemma3 or phi3: its fused
+    attn_qkv and gate-and-up ffn_up as HF's Phi3 stores them, its rotated dimensions). Gemma files are
     written as llama.cpp's converter writes them: norms stored as 1 + w, the sliding window,
     soft-caps and the sliding layers' RoPE base in the metadata, q/k rows not interleaved. tokens:
     a vocabulary to store with the config's bos and eos (the weights alone need none)."""
@@ -52,6 +53,9 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
         if rope.get("rope_type", "default") != "default":
             w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
             w.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if tokens is not None:
         w.add_token_list(tokens)
         w.add_bos_token_id(config.bos_token_id)
@@ -67,7 +71,7 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
     w.add_vocab_size(config.vocab_size)
     names = {v: k for k, v in _GGUF_TO_HF(tensors, arch).items()}
     for hf, arr in tensors.items():
-        if hf == "lm_head.weight":
+        if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue
         arr = arr.astype(np.float32)
         if gemma and hf.endswith("norm.weight"):
@@ -93,7 +97,7 @@ def _GGUF_TO_HF(tensors, arch: str = "llama") -> dict[str, str]:
     out = {}
     for i in range(64):
         for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                  "ffn_down", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+                  "ffn_down", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm", "attn_qkv"):
             for suffix in ("weight", "bias"):
                 hf = _hf_name(f"blk.{i}.{g}.{suffix}", arch)
                 if hf in tensors:

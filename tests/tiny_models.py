@@ -68,6 +68,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             ),
         ),
     ),
+    # Fused qkv_proj and gate_up_proj (read as slices); half of each head rotated (Phi-4-mini's
+    # partial_rotary_factor is 0.75).
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, tie_word_embeddings=False)),
 }
 
 

@@ -40,6 +40,7 @@ DECODER_CLASSIFIERS: dict[str, str] = {
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
     "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+    "Phi3ForSequenceClassification": "Phi3ForCausalLM",
     "Qwen2ForRewardModel": "Qwen2ForCausalLM",
 }
 CLASSIFIER_ARCHITECTURES = (*DECODER_CLASSIFIERS, *ENCODER_CLASSIFIERS)

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 
@@ -91,6 +92,9 @@ class DecoderConfig:
     # Per-layer sliding window in tokens (0 = full attention); a query at position p sees keys at
     # positions p - window + 1 .. p, as HF's sliding-window masks do.
     layer_windows: tuple[int, ...] = ()
+    # Rotated dimensions of each head (Phi-4-mini's partial_rotary_factor 0.75: the first 3/4 are
+    # rotated, the rest pass as they are); 0: all of head_dim.
+    rotary_dim: int = 0
     # Qwen2.5-VL's multimodal RoPE: consecutive sections of the rotary frequencies rotate by the
     # temporal, height and width positions (() = ordinary RoPE, one position per token).
     mrope_section: tuple[int, ...] = ()
@@ -101,6 +105,10 @@ class DecoderConfig:
     @property
     def scale(self) -> float:
         return self.query_scale or self.head_dim**-0.5
+
+    @property
+    def rotary(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_per_kv(self) -> int:
@@ -128,6 +136,8 @@ def _rope(cfg: dict[str, Any], layer_type: str | None = None) -> RopeConfig:
     if kind == "mrope":  # Qwen2-VL's older spelling: default frequencies, sections read by `_mrope_section`
         kind = "default"
     if kind not in ("default", "linear", "llama3"):
+        # longrope (Phi-3-128k, Phi-3.5, Phi-4-mini) switches factors with the sequence's length,
+        # which HF does by recomputing the whole cache once a sequence passes 4,096 tokens.
         raise UnsupportedModelError(
             f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
         )
@@ -166,7 +176,7 @@ def _eos(cfg: dict[str, Any]) -> tuple[int, ...]:
 def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
     window = cfg.get("sliding_window") or 0
     layer_types = cfg.get("layer_types")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window),) * num_layers
     if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") and not layer_types:
         # Gemma2 alternates: even layers slide, odd layers see everything. Gemma3's Hub configs
@@ -279,6 +289,16 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
             query_scale=float(_get(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
         )
     tie = bool(_get(cfg, "tie_word_embeddings", False))
+    if arch == "Phi3ForCausalLM":
+        # Phi-3 and Phi-4 store q/k/v and gate/up fused (qkv_proj, gate_up_proj); the loader reads
+        # each projection as its slice (jaxserve.weights.source), so the layer is Llama's.
+        factor = float(_get(cfg, "partial_rotary_factor", None)
+                       or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0)
+        rotary = int(head_dim * factor)
+        if rotary % 2 or not 0 < rotary <= head_dim:
+            raise UnsupportedModelError(f"partial_rotary_factor {factor} rotates {rotary} of head_dim {head_dim}: "
+                                        "an even count up to head_dim is needed")
+        return DecoderConfig(**common, tie_word_embeddings=tie, rotary_dim=0 if rotary == head_dim else rotary)
     if arch == "Qwen2ForCausalLM":
         mrope = _mrope_section(cfg)
         if mrope and 2 * sum(mrope) != head_dim:

@@ -1,4 +1,4 @@
-"""One Flax NNX decoder for the Llama, Mistral, Qwen2, Qwen3, Gemma2 and Gemma3 families.
+"""One Flax NNX decoder for the Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3 and Phi-3/Phi-4 families.
 
 Every layer holds its own parameter buffers (`layers` is an `nnx.List`) and the layers run as an
 unrolled loop (`jaxserve.models.layers.run_layers`), so each weight is read in place by the
@@ -46,7 +46,7 @@ def rope_inv_freq(cfg: DecoderConfig, rope: RopeConfig | None = None) -> Array:
     """Inverse frequencies [head_dim // 2] of `rope` (default: cfg.rope), with llama3 / linear
     scaling applied."""
     rope = rope or cfg.rope
-    dim = cfg.head_dim
+    dim = cfg.rotary
     inv = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if rope.kind == "linear":
         return inv / rope.factor
@@ -81,9 +81,14 @@ def rope_tables(positions: Array, inv_freq: Array, dtype: Any,
 
 
 def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
-    """Rotate-half RoPE (HF layout). x: [batch, tokens, heads, head_dim]; rope: `rope_tables`."""
+    """Rotate-half RoPE (HF layout). x: [batch, tokens, heads, head_dim]; rope: `rope_tables`,
+    whose width is the rotated part: tables narrower than head_dim (partial rotary) rotate the
+    leading dimensions and pass the rest."""
     cos, sin = rope
-    half = x.shape[-1] // 2
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :width], rope), x[..., width:]], axis=-1)
+    half = width // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 

@@ -21,7 +21,7 @@ from jaxserve.weights.safetensors_dir import TensorSource, WeightsError
 
 # GGUF general.architecture -> HF architectures entry. Mistral checkpoints convert as "llama".
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w, which llama.cpp multiplies
 # by as any norm weight. The model here adds the 1 itself, so it is taken off when read.
 _GEMMA = ("gemma2", "gemma3")
@@ -47,6 +47,8 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's fused projections: attn_qkv, and ffn_up holding gate and up (split by the source).
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -96,6 +98,15 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     }
     if arch in _GEMMA:
         cfg.update(_gemma_config(reader, arch, cfg))
+    if arch == "phi3":
+        if "rope_factors_long.weight" in names:
+            raise WeightsError(f"{path}: LongRoPE (rope_factors_long / rope_factors_short) is not supported yet")
+        rotary = field(reader, f"{arch}.rope.dimension_count")
+        if rotary is not None:
+            cfg["partial_rotary_factor"] = int(rotary) / cfg["head_dim"]
+        window = field(reader, f"{arch}.attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
@@ -158,7 +169,7 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor `name` of a file of GGUF architecture `arch` -> its HF name (None: not a model tensor)."""
     base, _, suffix = name.rpartition(".")
     parts = base.split(".")
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if base in _GLOBAL_NAMES:

@@ -34,6 +34,12 @@ TARGETS: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp", "down_proj"),
 }
 
+# Fused projections (Phi-3 / Phi-4's qkv_proj and gate_up_proj, which the model holds as their
+# parts): an adapter on one is an adapter on each part with the same A and B's rows of that part.
+FUSED_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+}
+
 # A PEFT factor's tensor name: "base_model.model." + the base model's module name (PEFT's
 # `current_key`, which rank_pattern and alpha_pattern match) + ".lora_A.weight".
 _KEY = re.compile(r"^(?:base_model\.model\.)?((?:model\.)?(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\."
@@ -162,9 +168,11 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
     modules: dict[tuple[int, str], str] = {}
     for key, (load, _, _) in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(4) not in TARGETS or TARGETS[m.group(4)][0] != m.group(3):
+        known = {**TARGETS, **{fused: (part, None) for fused, (part, _) in FUSED_TARGETS.items()}}
+        if m is None or m.group(4) not in known or known[m.group(4)][0] != m.group(3):
             raise WeightsError(f"{where}: tensor {key} is not a LoRA factor of a decoder projection "
-                               f"({', '.join(TARGETS)}); embedding, LM-head and other adapters are not supported")
+                               f"({', '.join([*TARGETS, *FUSED_TARGETS])}); embedding, LM-head and other adapters "
+                               "are not supported")
         layer, proj = int(m.group(2)), m.group(4)
         if layer >= num_layers:
             raise WeightsError(f"{where}: tensor {key} is for layer {layer}, and the model has {num_layers}")
@@ -179,13 +187,20 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
         if set(ab) != {"A", "B"}:
             raise WeightsError(f"{where}: {name} has lora_{''.join(ab)} without its other factor")
         a, b = ab["A"], ab["B"]  # [r, in], [out, r]
-        d_in, d_out = shapes[proj]
+        parts = FUSED_TARGETS[proj][1] if proj in FUSED_TARGETS else (proj,)
+        d_in, d_out = shapes[parts[0]][0], sum(shapes[part][1] for part in parts)
         r = a.shape[0]
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise WeightsError(f"{where}: {name} has lora_A {list(a.shape)} and lora_B {list(b.shape)}; the model's "
                                f"{proj} needs [r, {d_in}] and [{d_out}, r]")
         module_alpha = _pattern_value(alphas, name, alpha)
         scale = module_alpha / (math.sqrt(r) if rslora else r)
-        factors[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray((b * scale).T))
+        start = 0
+        for part in parts:
+            rows = b[start:start + shapes[part][1]]
+            start += shapes[part][1]
+            if (layer, part) in factors:
+                raise WeightsError(f"{where}: layer {layer}'s {part} is adapted twice (by {proj} and on its own)")
+            factors[(layer, part)] = (np.ascontiguousarray(a.T), np.ascontiguousarray((rows * scale).T))
         rank = max(rank, r)
     return LoraAdapter(spec.name, rank, factors)

@@ -43,18 +43,28 @@ class ModelSource:
     @functools.cached_property
     def tensors(self) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
         if self.kind == "gguf":
-            return gguf_file.open_tensors(self._reader, self.config, self.path)
-        return safetensors_dir.open_tensors(self.files)
+            tensors = gguf_file.open_tensors(self._reader, self.config, self.path)
+        else:
+            tensors = safetensors_dir.open_tensors(self.files)
+        return split_fused(tensors, self.config)
 
     @functools.cached_property
     def tensor_types(self) -> dict[str, str]:
         """HF name -> stored type: a GGUF's block type (Q4_1, ...) or F32/F16/BF16; {} for safetensors."""
-        return gguf_file.tensor_types(self._reader) if self.kind == "gguf" else {}
+        types = gguf_file.tensor_types(self._reader) if self.kind == "gguf" else {}
+        return {part: kind for name, kind in types.items() for part, _ in _parts(name, self.config) or [(name, None)]}
 
     @functools.cached_property
     def blocks(self) -> dict[str, tuple[str, Callable[[], tuple]]]:
-        """A GGUF's tensors stored in blocks the products read as they are (gguf_file.open_blocks)."""
-        return gguf_file.open_blocks(self._reader, self.config, self.path) if self.kind == "gguf" else {}
+        """A GGUF's tensors stored in blocks the products read as they are (gguf_file.open_blocks),
+        fused projections split as `tensors` splits them (every block array is [rows, ...])."""
+        blocks = gguf_file.open_blocks(self._reader, self.config, self.path) if self.kind == "gguf" else {}
+        out = {}
+        for name, (kind, load) in blocks.items():
+            for part, rows in _parts(name, self.config) or [(name, None)]:
+                out[part] = (kind, load if rows is None else
+                             lambda load=load, a=rows[0], b=rows[1]: tuple(x if x is None else x[a:b] for x in load()))
+        return out
 
     def stored_name(self, hf: str) -> str:
         """The file's own name for HF tensor `hf` (a GGUF's blk.0.attn_q.weight), for messages."""
@@ -77,6 +87,55 @@ class ModelSource:
         if self.overrides:
             h.update(json.dumps(self.overrides, sort_keys=True).encode())
         return h.hexdigest()[:24]
+
+
+# Fused projections (Phi-3 / Phi-4) -> the projections whose rows they stack, in order.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fused_rows(config: dict[str, Any], fused: str) -> tuple[int, ...]:
+    """How many rows of fused projection `fused` each of its parts takes (HF's [out, in] layout)."""
+    if fused == "mlp.gate_up_proj":
+        return (int(config["intermediate_size"]),) * 2
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return heads * head_dim, kv * head_dim, kv * head_dim
+
+
+def _parts(name: str, config: dict[str, Any]) -> list[tuple[str, tuple[int, int]]] | None:
+    """Fused tensor `name` -> each part's name and its rows [a, b); None for any other tensor."""
+    prefix, _, leaf = name.rpartition(".")
+    _, _, fused = prefix.rpartition(".layers.")[2].partition(".")
+    if fused not in _FUSED or leaf not in ("weight", "bias"):
+        return None
+    head = prefix[: len(prefix) - len(fused)]
+    out, start = [], 0
+    for part, n in zip(_FUSED[fused], fused_rows(config, fused)):
+        out.append((f"{head}{part}.{leaf}", (start, start + n)))
+        start += n
+    return out
+
+
+def split_fused(tensors: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]],
+                config: dict[str, Any]) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
+    """`tensors` with each fused projection (qkv_proj, gate_up_proj) replaced by its parts, each a
+    lazy row slice of the fused tensor (a view: a memory-mapped file stays unread until a device
+    shard of the part is read). The model keeps separate q/k/v and gate/up weights, so loading,
+    tensor parallelism, quantization and LoRA see the Llama layout."""
+    out = dict(tensors)
+    for name, (load, shape, dtype) in tensors.items():
+        parts = _parts(name, config)
+        if parts is None:
+            continue
+        if shape[0] != parts[-1][1][1]:
+            raise WeightsError(f"tensor {name} has {shape[0]} rows; the config implies {parts[-1][1][1]} "
+                               f"({', '.join(str(b - a) for _, (a, b) in parts)})")
+        del out[name]
+        for part, (a, b) in parts:
+            out[part] = (lambda load=load, a=a, b=b: load()[a:b], (b - a, *shape[1:]), dtype)
+    return out
 
 
 def resolve(model: str | Path, weights: bool = True, overrides: dict[str, Any] | None = None) -> ModelSource:

@@ -204,6 +204,24 @@ def test_start_up_sizes_the_slots(tmp_path):
         assert (decoder.lora_slots, decoder.lora_rank, slot_targets(decoder)) == (slots, rank, targets)
 
 
+def test_fused_projection_adapter_matches_peft(tmp_path):
+    """A Phi-3 adapter on the fused qkv_proj and gate_up_proj serves as its PEFT model: the model
+    holds q/k/v and gate/up apart, and the adapter's B splits by their rows under one A."""
+    hf = make_tiny_model("phi3", tmp_path / "base")
+    reference = make_adapter(hf, "phi3-fused", tmp_path / "fused")
+    decoder = load_model(tmp_path / "base", "float32", use_cache=False).model
+    adapter = load_adapter(LoraModuleSpec("fused", tmp_path / "fused"), decoder.cfg.num_layers,
+                           target_shapes(decoder))
+    assert adapter.targets == sorted(TARGETS)
+    add_lora_slots(decoder, 1, 4, TARGETS)
+    engine = build_engine(decoder, None, CONFIG, eos_ids=[2])
+    engine.load_lora("fused", tmp_path / "fused")
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora=name)
+              for name in ("fused", None)]
+    outs = run_requests(engine, [PROMPTS[0]] * 2, params, "phi3")
+    assert outs[0].outputs[0].token_ids == _hf_greedy(reference, PROMPTS[0])[0]
+    assert outs[1].outputs[0].token_ids == _hf_greedy(hf, PROMPTS[0])[0] != outs[0].outputs[0].token_ids
+
 
 def test_more_adapters_than_slots_take_turns(tmp_path, base, setup):
     """Three adapters and one slot (--max-loras 1 --max-cpu-loras 3): every request still decodes

@@ -89,6 +89,9 @@ def test_lora_flags(tmp_path):
     m = config_from_args(parse_args(["--model", "/m", "--lora-modules", "a=/a", "--lora-target-modules", "v_proj",
                                      "q_proj"])).model
     assert m.lora_target_modules == ("q_proj", "v_proj")
+    m = config_from_args(parse_args(["--model", "/m", "--enable-lora", "--lora-target-modules", "qkv_proj",
+                                     "gate_up_proj"])).model  # Phi-3's fused names: their parts
+    assert m.lora_target_modules == ("gate_proj", "k_proj", "q_proj", "up_proj", "v_proj")
     assert config_from_args(parse_args(["--model", "/m"])).model.lora_modules == ()
     for argv, words in ((["--lora-modules", "sql=/a", "sql=/b"], "given twice"),
                         (["--lora-modules", "m=/a"], "already a name of the served model"),

@@ -1,7 +1,9 @@
-"""Gemma2 and Gemma3 GGUF files (llama.cpp's `gemma2` / `gemma3` architectures) load as the model
-their HF checkpoint is: logits equal HF's, with the norms' stored 1 + w taken back to w, Gemma's
-four norms per layer named, and the settings llama.cpp keeps in its code (query scale, layer
-pattern, the sliding layers' RoPE base) read as llama.cpp reads them."""
+"""Gemma2, Gemma3 and Phi-3 GGUF files (llama.cpp's `gemma2` / `gemma3` / `phi3` architectures) load
+as the model their HF checkpoint is: logits equal HF's. Gemma: the norms' stored 1 + w taken back
+to w, its four norms per layer named, and the settings llama.cpp keeps in its code (query scale,
+layer pattern, the sliding layers' RoPE base) read as llama.cpp reads them. Phi-3: the fused
+attn_qkv and gate-and-up ffn_up split into the model's projections, for float tensors and for the
+blocks the products read as stored."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ from tiny_gguf import write_gguf
 from tiny_models import _BASE, TINY_CONFIGS, dense_logits, randomize_weights
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18], [1, 42]]
-CLASSES = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+CLASSES = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
 
 
 def _tiny(arch: str, directory):
     # A GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5 below 27B, so
     # the checkpoint must too for the file to mean the same model.
-    overrides = {**TINY_CONFIGS[arch][1], "query_pre_attn_scalar": 16}
+    overrides = {**TINY_CONFIGS[arch][1], **({"query_pre_attn_scalar": 16} if arch != "phi3" else {})}
     config = getattr(transformers, CLASSES[arch])(**{**_BASE, **overrides})
     torch.manual_seed(1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
@@ -29,6 +31,14 @@ def _tiny(arch: str, directory):
     model.save_pretrained(directory, safe_serialization=True)
     return model
 
+
+
+def _assert_hf_logits(decoder, hf) -> None:
+    ours = dense_logits(decoder, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float().numpy()
+        np.testing.assert_allclose(ours[i, : len(prompt)], ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
@@ -44,11 +54,7 @@ def test_gemma_gguf_logits_match_hf(tmp_path, arch):
     assert cfg.windows() == tuple(5 if t == "sliding_attention" else 0 for t in hf.config.layer_types)
     # llama.cpp ends a Gemma generation at <end_of_turn> as well as at the file's eos.
     assert cfg.eos_token_ids == (2, 107)
-    ours = dense_logits(loaded.model, PROMPTS)
-    for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float().numpy()
-        np.testing.assert_allclose(ours[i, : len(prompt)], ref, atol=1e-4, rtol=0)
+    _assert_hf_logits(loaded.model, hf)
 
 
 
@@ -81,3 +87,36 @@ def test_gemma3_gguf_tokenizer(tmp_path):
     assert tok.encode("hello world") == [12, 13, 14, 14, 15, 7]  # no piece "hello" without its space
     assert tok.encode("<start_of_turn>user\n hello<end_of_turn>") == [4, 8, 10, 6, 5]
     assert tok.decode([6, 7]) == " hello world"
+
+
+def test_phi3_gguf_logits_match_hf(tmp_path):
+    hf = _tiny("phi3", tmp_path / "hf")
+    write_gguf(tmp_path / "phi3.gguf", tmp_path / "hf", hf.config, "phi3")
+    loaded = load_model(tmp_path / "phi3.gguf", "float32", use_cache=False)
+    assert loaded.model.cfg.rotary_dim == 8  # half of head_dim 16, from rope.dimension_count
+    _assert_hf_logits(loaded.model, hf)
+
+
+def test_phi3_q8_0_blocks_split_and_served_as_stored(tmp_path):
+    """A Q8_0 Phi-3 GGUF's fused blocks split by rows into q/k/v and gate/up blocks, which the
+    products read as stored: the same logits as the file's dequantized model."""
+    import jax
+    from flax import nnx
+    from gguf import GGMLQuantizationType as Q
+
+    from jaxserve.models import products
+    from jaxserve.weights.loader import stored_blocks
+
+    hf = _tiny("phi3", tmp_path / "hf")
+    write_gguf(tmp_path / "q8.gguf", tmp_path / "hf", hf.config, "phi3", Q.Q8_0)
+    loaded = load_model(tmp_path / "q8.gguf", "float32", use_cache=False)
+    ref = dense_logits(loaded.model, PROMPTS)
+    blocks = stored_blocks(loaded.source, loaded.model.head_path)
+    graphdef, state = nnx.split(loaded.model)
+    kept = nnx.merge(graphdef, products.place(state, "xla", loaded.model.head_path, quantization="gguf",
+                                              blocks=blocks))
+    weights = [x for x in jax.tree.leaves(nnx.split(kept)[1], is_leaf=lambda x: isinstance(x, products.GroupWeight))
+               if isinstance(x, products.GroupWeight)]
+    assert len(weights) == 7 * loaded.config.num_layers + 1  # q k v o gate up down, and the head
+    ours = dense_logits(kept, PROMPTS)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
