@@ -470,6 +470,9 @@ class Engine:
         handle = flight.handle.result()  # (a failed step raises here)
         decoded: dict[Sequence, int] = {}
         beams: list[BeamSearch] = []
+        # Before any token is accepted (and may end its sequence, freeing its pages): the
+        # prompts' pages are computed, whatever is sampled.
+        self.scheduler.advance_prefills(out)
         if out.prefills:
             prefill = handle.prefill_output()
             if any(t is not None for t in flight.prompt_targets):

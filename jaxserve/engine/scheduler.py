@@ -499,17 +499,24 @@ class Scheduler:
         pages to the prefix cache. `decoded[seq]` is how many tokens each decode row sampled (its
         iterations that ran; default 1 each), already appended to its token_ids. Call exactly once
         per plan, after appending its tokens and before finishing its sequences."""
-        for chunk in plan.prefills:
-            seq = chunk.seq
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens = chunk.end
-                self._computed(seq)
+        self.advance_prefills(plan)
         for seq in plan.decodes:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += 1 if decoded is None else decoded[seq]
                 self._computed(seq)
                 if seq in plan.drafts:
                     self._give_back_pages(seq)
+
+    def advance_prefills(self, plan: SchedulerOutput) -> None:
+        """The prefill part of `advance`, which may come first: a prefill's computed tokens are
+        the prompt's, known before its sampled token is. The engine calls it before accepting a
+        step's tokens, so that a sequence that ends on its first token (max_tokens 1, an EOS)
+        still leaves its prompt's pages in the prefix cache. Repeating it changes nothing."""
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens = chunk.end
+                self._computed(seq)
 
     # -- beam search ---------------------------------------------------------------------------------
 
