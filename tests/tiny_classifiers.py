@@ -41,7 +41,7 @@ TINY_CLASSIFIERS: dict[str, tuple[str, str, dict[str, Any]]] = {
                    {**TINY_CONFIGS["gemma2"][1], "id2label": SENTIMENT}),
     "gemma3-cls": ("Gemma3TextConfig", "Gemma3TextForSequenceClassification",
                    {**TINY_CONFIGS["gemma3"][1], "num_labels": 2}),
-    "phi3-cls": ("Phi3Config", "Phi3ForSequenceClassification", {**TINY_CONFIGS["phi3"][1], "num_labels": 3}),
+    "phi3-cls": ("Phi3Config", "Phi3ForSequenceClassification", {**TINY_CONFIGS["phi3-longrope"][1], "num_labels": 3}),
     "qwen2-reward": ("Qwen2Config", "Qwen2ForRewardModel", {"num_labels": 1}),
     "bert-cls": ("BertConfig", "BertForSequenceClassification", {"id2label": SENTIMENT}),
     "roberta-cls": ("RobertaConfig", "RobertaForSequenceClassification",

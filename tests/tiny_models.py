@@ -71,6 +71,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Fused qkv_proj and gate_up_proj (read as slices); half of each head rotated (Phi-4-mini's
     # partial_rotary_factor is 0.75).
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, tie_word_embeddings=False)),
+    # LongRoPE switching at 16 tokens: the engine test's prompts start on both sides of it, and
+    # the short ones grow past it (recomputed with the long factors, as HF does).
+    "phi3-longrope": ("Phi3Config", dict(
+        original_max_position_embeddings=16, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                             short_factor=[1.0 + 0.1 * i for i in range(8)],
+                             long_factor=[1.5 + 0.7 * i for i in range(8)]))),
 }
 
 

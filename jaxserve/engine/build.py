@@ -94,6 +94,9 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
         raise ValueError("a draft model does not run on embedding inputs (images, prompt embeds): speculative "
                          "decoding with a draft model is for text-only models")
     sched = config.scheduler
+    if cfg.rope.kind == "longrope" and sched.speculative_method is not None:
+        # A verify step would have to stop its drafts at the switch to the long factors.
+        raise ValueError("speculative decoding does not run on a LongRoPE model yet")
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
@@ -140,6 +143,8 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                     overlap=config.overlap)
     engine.encoder = encoder
     engine.lora = engine.scheduler.adapters = lora
+    if cfg.rope.kind == "longrope":
+        engine.scheduler.rope_switch = cfg.rope.original_max_position
     if lora is not None:
         # An empty write into slot 0 (all zeros still) compiles the slot writers now, not while a
         # request waits on the first adapter loaded at run time.

@@ -35,18 +35,21 @@ def page_hash(parent: bytes | None, token_ids: SequenceABC[int]) -> bytes:
     return hashlib.sha256((parent or _ROOT_HASH) + array("q", token_ids).tobytes()).digest()
 
 
-def salted_root(salt: str | None, lora: str | None = None) -> bytes | None:
-    """The parent of a request's first page under vLLM's cache_salt and its LoRA adapter's load
-    (Sequence.lora_key): requests share cached pages only with requests that carry the same salt
-    and decode with the same adapter, whose K/V the pages hold (None for both: the common cache of
-    the base model)."""
-    if salt is None and lora is None:
+def salted_root(salt: str | None, lora: str | None = None, long_rope: bool = False) -> bytes | None:
+    """The parent of a request's first page under vLLM's cache_salt, its LoRA adapter's load
+    (Sequence.lora_key) and, for a LongRoPE model, its long factors (Sequence.long_rope):
+    requests share cached pages only with requests that carry the same salt, decode with the same
+    adapter and rotate alike, whose K/V the pages hold (None for all: the common cache of the base
+    model)."""
+    if salt is None and lora is None and not long_rope:
         return None
     root = _ROOT_HASH
     if salt is not None:
         root = hashlib.sha256(root + b"\x00cache_salt\x00" + salt.encode()).digest()
     if lora is not None:
         root = hashlib.sha256(root + b"\x00lora\x00" + lora.encode()).digest()
+    if long_rope:
+        root = hashlib.sha256(root + b"\x00long_rope\x00").digest()
     return root
 
 
@@ -207,7 +210,8 @@ class PageAllocator:
         first = num_full
         while first > 0 and seq.pages[first - 1] not in self._page_hash:
             first -= 1
-        parent = self._page_hash[seq.pages[first - 1]] if first else salted_root(seq.params.cache_salt, seq.lora_key)
+        parent = (self._page_hash[seq.pages[first - 1]] if first
+                  else salted_root(seq.params.cache_salt, seq.lora_key, seq.long_rope))
         size = self.page_size
         for i in range(first, num_full):
             page = seq.pages[i]

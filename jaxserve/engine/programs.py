@@ -162,11 +162,13 @@ class StepPrograms:
     def _forward(self, model: Decoder, kv: KVCache, tokens: jax.Array, positions: jax.Array, kv_slots: jax.Array,
                  page_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
                  decode: bool, embeds: tuple[jax.Array, jax.Array] | None = None,
-                 rope: jax.Array | None = None, lora: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 rope: jax.Array | None = None, lora: jax.Array | None = None,
+                 long_rope: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """The model over one row of [t] tokens attending through the paged cache: hidden [t, H].
         embeds: ([t, H] values, [t] mask) replacing token embeddings (Decoder.hidden_states);
         rope: an M-RoPE model's [t, 3] rotary positions; lora: each token's LoRA adapter slot [t]
-        (a model with adapters)."""
+        (a model with adapters); long_rope: whether each token rotates by LongRoPE's long factors
+        [t] (a LongRoPE model)."""
         t = tokens.shape[0]
         if t < self.min_rows:  # padding tokens: position 0, slot -1 (nothing written), past cu_q_lens
             pad = self.min_rows - t
@@ -178,6 +180,8 @@ class StepPrograms:
                 rope = jnp.pad(rope, ((0, pad), (0, 0)))
             if lora is not None:
                 lora = jnp.pad(lora, (0, pad), constant_values=-1)
+            if long_rope is not None:
+                long_rope = jnp.pad(long_rope, (0, pad))
         attend = attention.paged_attention(
             kv_slots, page_tables, cu_q_lens, kv_lens, num_seqs, scale=self.cfg.scale,
             softcap=self.cfg.attn_logit_softcap, backend=self.attention_backend,
@@ -187,7 +191,8 @@ class StepPrograms:
         if embeds is not None:
             embeds = (embeds[0][None], embeds[1][None])
         hidden, kv = model.hidden_states(tokens[None], positions[None], attend, kv, embeds,
-                                         None if rope is None else rope[None], None if lora is None else lora[None])
+                                         None if rope is None else rope[None], None if lora is None else lora[None],
+                                         None if long_rope is None else long_rope[None])
         return hidden[0, :t], kv
 
     def _logits(self, model: Decoder, rows: jax.Array) -> jax.Array:
@@ -209,7 +214,8 @@ class StepPrograms:
         embeds = (inp["embeds"], inp["embedded"]) if "embeds" in inp else None
         hidden, kv = self._forward(model, kv, inp["tokens"], inp["positions"], kv_slots,
                                    batch.page_tables[row_slots], cu, inp["kv_lens"], inp["num_seqs"], False, embeds,
-                                   inp.get("rope_positions"), _lora_slots(model, batch, row_slots[token_row]))
+                                   inp.get("rope_positions"), _lora_slots(model, batch, row_slots[token_row]),
+                                   _long_rope(model, batch, row_slots[token_row]))
         return hidden, kv, token_row
 
     def _prefill_fn(self, params: list[Any], kv: KVCache, batch: DeviceBatch,
@@ -248,7 +254,8 @@ class StepPrograms:
             # An M-RoPE model's generated tokens sit at index + the row's delta on all three axes.
             rope = jnp.repeat((positions + inp["rope_delta"])[:, None], 3, axis=1) if "rope_delta" in inp else None
             hidden, kv = self._forward(model, kv, tokens, positions, kv_slots, page_tables, cu, lengths,
-                                       inp["num_seqs"], True, rope=rope, lora=_lora_slots(model, batch, row_slots))
+                                       inp["num_seqs"], True, rope=rope, lora=_lora_slots(model, batch, row_slots),
+                                       long_rope=_long_rope(model, batch, row_slots))
             sampled = sample(self._logits(model, hidden), device_batch.sampling_rows(batch, row_slots, steps),
                              row_loops=self.row_loops)
             batch = device_batch.record_tokens(batch, row_slots, sampled.token, active)
@@ -335,6 +342,12 @@ def _lora_slots(model: Decoder, batch: DeviceBatch, slots: jax.Array) -> jax.Arr
     """The LoRA adapter of each of these batch rows (None for a model without adapters, whose
     steps never read the rows' adapters)."""
     return batch.rows["lora"][slots] if model.lora_slots else None
+
+
+def _long_rope(model: Decoder, batch: DeviceBatch, slots: jax.Array) -> jax.Array | None:
+    """Whether each of these batch rows rotates by LongRoPE's long factors (None for any other
+    model)."""
+    return batch.rows["long_rope"][slots] if model.cfg.rope.kind == "longrope" else None
 
 
 def _page_updates(batch: DeviceBatch, inp: Payload) -> DeviceBatch:

@@ -263,6 +263,10 @@ class Sequence:
     # Its LoRA adapter's load (jaxserve.engine.lora_slots.LoadedLora.key): the prefix cache's
     # pages of its prompt are that load's alone. None: the base model.
     lora_key: str | None = None
+    # A LongRoPE model's: whether its tokens rotate by the long factors (set when admitted, for
+    # good once the sequence is longer than the model's original_max_position; see
+    # jaxserve.engine.scheduler). Its cached pages are kept apart from the short ones'.
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ class RowParams:
     processed_logprobs: bool = False
     constrained: bool = False  # a grammar limits its tokens (its mask is sent every step)
     lora: int = -1  # the LoRA adapter's slot (jaxserve.models.lora); -1: the base model
+    long_rope: bool = False  # a LongRoPE model's row rotates by the long factors (Sequence.long_rope)
 
     @property
     def has_penalties(self) -> bool:
@@ -67,6 +68,7 @@ ROW_ARRAYS: dict[str, tuple[type, tuple[int, ...]]] = {
     "processed_logprobs": (np.bool_, ()),
     "constrained": (np.bool_, ()),
     "lora": (np.int32, ()),
+    "long_rope": (np.bool_, ()),
 }
 
 
@@ -92,7 +94,8 @@ def pack_rows(rows: Sequence[RowParams], size: int, vocab_size: int) -> dict[str
         if not -1 <= row.num_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"row {i}: num_logprobs {row.num_logprobs} is outside [-1, {MAX_TOP_LOGPROBS}]")
         for name in ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "min_tokens", "num_logprobs", "processed_logprobs", "constrained", "lora"):
+                     "repetition_penalty", "min_tokens", "num_logprobs", "processed_logprobs", "constrained", "lora",
+                     "long_rope"):
             out[name][i] = getattr(row, name)
         out["seed"][i] = row.seed & 0xFFFFFFFF
         if row.logit_bias:
@@ -136,7 +139,7 @@ def row_params(seq: Seq, eos_ids: Iterable[int], lora_slot: Callable[[str], int]
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or {}, banned_ids=current_bans(seq),
         end_ids=sorted(end_ids), min_tokens=p.min_tokens, seed=seq.seed, num_logprobs=MAX_TOP_LOGPROBS if beam else want,
         processed_logprobs=p.processed_logprobs, constrained=seq.matcher is not None,
-        lora=-1 if p.lora is None or lora_slot is None else lora_slot(p.lora),
+        lora=-1 if p.lora is None or lora_slot is None else lora_slot(p.lora), long_rope=seq.long_rope,
     )
 
 

@@ -45,6 +45,13 @@ admitted only with its adapter in one of the model's adapter slots, taken at adm
 adapter no running sequence reads). One that cannot have one waits, and so do the adapter sequences
 queued after it, so that the slots drain for it in arrival order instead of serving the adapters
 already in them forever; base-model sequences behind it are still admitted.
+
+LongRoPE (`rope_switch`, a Phi-3 model's original_max_position): HF's Phi3 rotates a sequence by
+its short factors while it is at most that long, and once it is longer recomputes its whole cache
+with the long ones. Here alike: a sequence admitted longer than the switch is computed long
+(`Sequence.long_rope`), and a short one that grows past it is preempted and recomputed long
+(never inside a multi-step decode loop: its iterations stop short of the switch). Long and short
+pages never share the prefix cache.
 """
 
 from __future__ import annotations
@@ -153,6 +160,9 @@ class Scheduler:
         self._added: list[Sequence] = []  # beams forked into new sequences since the last output
         self._copies: list[tuple[int, int]] = []  # pages forked beams need copied
         self.adapters: LoraSlots | None = None  # the model's LoRA adapter slots (set by the engine's builder)
+        # A LongRoPE model's original_max_position (set by the engine's builder; None: any other):
+        # a sequence longer than it rotates by the long factors.
+        self.rope_switch: int | None = None
 
     def running_adapters(self) -> set[str]:
         """The LoRA adapters running sequences decode with: their slots cannot be given away."""
@@ -234,6 +244,14 @@ class Scheduler:
                     f"sequence {seq.seq_id} has all {seq.num_tokens} tokens computed and none to sample from: "
                     "append the sampled token after advance()"
                 )
+            if self._needs_long_rope(seq):
+                # Grown past original_max_position: recomputed with the long factors, as HF's Phi3
+                # recomputes its whole cache then. Its request's beams go with it.
+                victims = self._preempt(seq)
+                plan.preempted += victims
+                plan.decodes = [s for s in plan.decodes if s not in victims]
+                plan.prefills = [c for c in plan.prefills if c.seq not in victims]
+                continue
             if is_decoding(seq):
                 if self._reserve(seq, start + 1, plan):
                     plan.decodes.append(seq)
@@ -314,6 +332,10 @@ class Scheduler:
         the pages for all of them may not be free while those for fewer are: the most that fit,
         rather than one at once."""
         steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens - ahead for s in rows))
+        if self.rope_switch is not None:
+            # A short-factor row feeds positions below the switch only (its next iteration feeds
+            # num_tokens - 1 + ahead); past it, the row is recomputed first.
+            steps = min([steps] + [self.rope_switch - s.num_tokens - ahead + 1 for s in rows if not s.long_rope])
         for k in range(steps, least - 1, -1):
             want = {s: self.allocator.pages_for(min(s.num_tokens + ahead + k - 1, s.max_total_tokens)) - len(s.pages)
                     for s in rows}
@@ -382,7 +404,9 @@ class Scheduler:
             if self._slots_needed(seq) > len(self._free_slots):
                 return
             tokens = self._matchable_tokens(seq)
-            root = salted_root(seq.params.cache_salt, seq.lora_key)
+            if self.rope_switch is not None:
+                seq.long_rope = seq.num_tokens > self.rope_switch  # as HF's forward over all of it
+            root = salted_root(seq.params.cache_salt, seq.lora_key, seq.long_rope)
             cached, num_cached = self.allocator.peek_prefix(tokens, root)
             end = min(seq.num_tokens, num_cached + budget)
             num_new = self.allocator.pages_for(end) - len(cached)
@@ -455,6 +479,9 @@ class Scheduler:
         if num_new > 0:
             seq.pages.extend(self.allocator.allocate(num_new))
         return True
+
+    def _needs_long_rope(self, seq: Sequence) -> bool:
+        return self.rope_switch is not None and not seq.long_rope and seq.num_tokens > self.rope_switch
 
     def _preempt(self, seq: Sequence) -> list[Sequence]:
         """Free everything and requeue: the output so far stays in token_ids and is recomputed

@@ -249,7 +249,14 @@ def packed_decoder_hidden_states(model: Decoder, tokens: Array, positions: Array
     body = model.cfg
     attend = PackedAttention(segments, positions, causal=True, scale=body.scale, softcap=body.attn_logit_softcap,
                              max_segment=max_segment)
-    hidden, _ = model.hidden_states(tokens[None], positions[None], attend)
+    long_rope = None
+    if body.rope.kind == "longrope":
+        # As HF's forward over each input alone: long factors for an input longer than the switch.
+        # (Segments number the inputs 0.. in a row of T tokens; -1 is padding.)
+        t = tokens.shape[0]
+        last = jax.ops.segment_max(positions, jnp.where(segments < 0, t, segments), num_segments=t + 1)
+        long_rope = (last[jnp.where(segments < 0, t, segments)] + 1 > body.rope.original_max_position)[None]
+    hidden, _ = model.hidden_states(tokens[None], positions[None], attend, long_rope=long_rope)
     return hidden[0]
 
 

@@ -55,6 +55,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): per-frequency divisors for sequences up to
+    # original_max_position tokens and beyond, and the cos/sin scale.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,20 +140,27 @@ def _rope(cfg: dict[str, Any], layer_type: str | None = None) -> RopeConfig:
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "mrope":  # Qwen2-VL's older spelling: default frequencies, sections read by `_mrope_section`
         kind = "default"
-    if kind not in ("default", "linear", "llama3"):
-        # longrope (Phi-3-128k, Phi-3.5, Phi-4-mini) switches factors with the sequence's length,
-        # which HF does by recomputing the whole cache once a sequence passes 4,096 tokens.
+    if kind == "su":  # LongRoPE's first name in Phi-3's configs
+        kind = "longrope"
+    if kind not in ("default", "linear", "llama3", "longrope"):
         raise UnsupportedModelError(
-            f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+            f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, longrope)"
         )
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
-    )
+    original = int(merged.get("original_max_position_embeddings")
+                   or _get(cfg, "original_max_position_embeddings", 8192))
+    if kind != "longrope":
+        return RopeConfig(theta=theta, kind=kind, factor=float(merged.get("factor", 1.0)),
+                          low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+                          high_freq_factor=float(merged.get("high_freq_factor", 4.0)), original_max_position=original)
+    # HF's LongRoPE: the factor defaults to max_position_embeddings / original (Phi-3's configs
+    # leave it out), and the cos/sin scale to sqrt(1 + ln(factor) / ln(original)).
+    factor = float(merged.get("factor") or int(_get(cfg, "max_position_embeddings", original)) / original)
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, kind=kind, factor=factor, original_max_position=original,
+                      short_factor=tuple(float(f) for f in merged["short_factor"]),
+                      long_factor=tuple(float(f) for f in merged["long_factor"]), attention_factor=float(attention))
 
 
 def _gemma3_local_rope(cfg: dict[str, Any]) -> RopeConfig:
@@ -255,6 +267,8 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
         eos_token_ids=_eos(cfg),
         dtype=str(_get(cfg, "dtype", None) or _get(cfg, "torch_dtype", "float32")),
     )
+    if common["rope"].kind == "longrope" and arch != "Phi3ForCausalLM":
+        raise UnsupportedModelError(f"rope scaling type 'longrope' is supported for Phi3ForCausalLM, not {arch}")
     if arch == "Gemma2ForCausalLM":
         return DecoderConfig(
             **common,
@@ -298,6 +312,10 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
         if rotary % 2 or not 0 < rotary <= head_dim:
             raise UnsupportedModelError(f"partial_rotary_factor {factor} rotates {rotary} of head_dim {head_dim}: "
                                         "an even count up to head_dim is needed")
+        rope = common["rope"]
+        if rope.kind == "longrope" and not len(rope.short_factor) == len(rope.long_factor) == rotary // 2:
+            raise UnsupportedModelError(f"LongRoPE needs {rotary // 2} short and long factors (one per rotary "
+                                        f"frequency), got {len(rope.short_factor)} and {len(rope.long_factor)}")
         return DecoderConfig(**common, tie_word_embeddings=tie, rotary_dim=0 if rotary == head_dim else rotary)
     if arch == "Qwen2ForCausalLM":
         mrope = _mrope_section(cfg)

@@ -42,12 +42,14 @@ class AttentionFn(Protocol):
     def __call__(self, q: Array, k: Array, v: Array, cache: Any, window: Array, layer: Array) -> tuple[Array, Any]: ...
 
 
-def rope_inv_freq(cfg: DecoderConfig, rope: RopeConfig | None = None) -> Array:
-    """Inverse frequencies [head_dim // 2] of `rope` (default: cfg.rope), with llama3 / linear
-    scaling applied."""
+def rope_inv_freq(cfg: DecoderConfig, rope: RopeConfig | None = None, long: bool = False) -> Array:
+    """Inverse frequencies [rotary // 2] of `rope` (default: cfg.rope), with llama3 / linear
+    scaling applied; LongRoPE's short factors, or with `long` its long ones."""
     rope = rope or cfg.rope
     dim = cfg.rotary
     inv = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if rope.kind == "longrope":
+        return inv / jnp.asarray(rope.long_factor if long else rope.short_factor, jnp.float32)
     if rope.kind == "linear":
         return inv / rope.factor
     if rope.kind == "llama3":
@@ -198,7 +200,8 @@ class Decoder(nnx.Module):
 
     def hidden_states(self, tokens: Array, positions: Array, attend: AttentionFn, cache: Any = None,
                       embeds: tuple[Array, Array] | None = None,
-                      rope_positions: Array | None = None, lora_slots: Array | None = None) -> tuple[Array, Any]:
+                      rope_positions: Array | None = None, lora_slots: Array | None = None,
+                      long_rope: Array | None = None) -> tuple[Array, Any]:
         """Run every layer. tokens, positions: [batch, tokens]. cache: any pytree `attend`
         understands (or None), carried through the layers. embeds: (values [b, t, hidden], mask
         [b, t]): where mask is set the input is the given embedding (an image's, or the client's
@@ -206,7 +209,8 @@ class Decoder(nnx.Module):
         final-normed hidden [b, t, hidden] and the new cache. rope_positions: an M-RoPE model's
         [b, t, 3] positions (which, unlike `positions`, the masks and the cache never read);
         None: every axis at `positions`. lora_slots: [b, t] each token's LoRA adapter slot (-1 or
-        None: the base model)."""
+        None: the base model). long_rope: [b, t] whether each token rotates by LongRoPE's long
+        factors (a LongRoPE model; None: the short ones)."""
         x = self.embed(tokens)
         if embeds is not None:
             values, mask = embeds
@@ -215,6 +219,8 @@ class Decoder(nnx.Module):
             rope_positions = jnp.repeat(positions[..., None], 3, axis=-1)
         rope = rope_tables(positions if rope_positions is None else rope_positions, rope_inv_freq(self.cfg), x.dtype,
                            self.cfg.mrope_section)
+        if self.cfg.rope.kind == "longrope":
+            rope = self._longrope(positions, rope, long_rope, x.dtype)
         # Each layer is handed its RoPE tables: Gemma3's sliding-window layers rotate by their own.
         local = rope
         if self.cfg.local_rope is not None:
@@ -228,6 +234,18 @@ class Decoder(nnx.Module):
             lora_mask = token_mask(lora_slots, self.lora_slots, self.lora_rank, x.dtype)
         x, cache = run_layers(self.layers, _layer_body, (x, cache), (attend, lora_mask), per_layer)
         return self.norm(x), cache
+
+    def _longrope(self, positions: Array, short: tuple[Array, Array], long_rope: Array | None,
+                  dtype: Any) -> tuple[Array, Array]:
+        """LongRoPE's tables: each token's from the long factors where long_rope [b, t] is set, the
+        short ones elsewhere, both scaled by the attention factor (HF's Phi3 rotary embedding)."""
+        rope = self.cfg.rope
+        if long_rope is not None:
+            long = rope_tables(positions, rope_inv_freq(self.cfg, long=True), dtype)
+            pick = long_rope[:, :, None, None]
+            short = (jnp.where(pick, long[0], short[0]), jnp.where(pick, long[1], short[1]))
+        scale = jnp.asarray(rope.attention_factor, dtype)
+        return short[0] * scale, short[1] * scale
 
     @property
     def head_path(self) -> tuple[str, ...]:
@@ -246,8 +264,13 @@ class Decoder(nnx.Module):
                  lora_slots: Array | None = None) -> Array:
         """Full no-cache forward (the reference): right-padded [batch, tokens] -> logits."""
         attend = DenseAttention(positions, lengths, scale=self.cfg.scale, softcap=self.cfg.attn_logit_softcap)
+        long_rope = None
+        if self.cfg.rope.kind == "longrope":
+            # As HF's one forward: long factors for a sequence longer than original_max_position.
+            last = jnp.take_along_axis(positions, jnp.maximum(lengths - 1, 0)[:, None], axis=1)
+            long_rope = jnp.broadcast_to(last + 1 > self.cfg.rope.original_max_position, positions.shape)
         hidden, _ = self.hidden_states(tokens, positions, attend, embeds=embeds, rope_positions=rope_positions,
-                                       lora_slots=lora_slots)
+                                       lora_slots=lora_slots, long_rope=long_rope)
         return self.logits(hidden)
 
 

@@ -44,7 +44,12 @@ def test_probs_match_hf_for_a_packed_batch_of_four(tiny):
     ours = np.stack([r.output for r in engine.classify(INPUTS)])
     assert engine.num_steps == 1  # all four inputs went through one packed step
     pad = 1 if "roberta" in name else 0
-    ref = hf_logits(hf, INPUTS, pad)
+    if name == "phi3-cls":
+        # LongRoPE: HF picks the factors by the longest sequence of its batch, which is no
+        # property of an input; each input alone is the reference (the last is past the switch).
+        ref = torch.cat([hf_logits(hf, [x], pad) for x in INPUTS])
+    else:
+        ref = hf_logits(hf, INPUTS, pad)
     num_labels = ref.shape[1]
     assert ours.shape == (4, num_labels) and loaded.config.num_labels == num_labels
     np.testing.assert_allclose(ours, ref.numpy(), atol=1e-5, rtol=0)

@@ -458,3 +458,30 @@ def test_host_bookkeeping_does_not_import_jax():
     code = "import sys, jaxserve.engine.scheduler, jaxserve.engine.buckets; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_longrope_sequences_recompute_long_past_the_switch():
+    """A LongRoPE model (rope_switch: its original_max_position): a sequence admitted longer than
+    the switch is long from the start; a short one decodes with the short factors only at
+    positions below the switch, several iterations a step but never across it, and is then
+    preempted and recomputed long. Long pages never serve a short sequence's prompt."""
+    engine = FakeEngine(max_num_seqs=4, decode_steps=4)
+    engine.sched.rope_switch = 10
+    short = engine.submit(prompt(3), max_tokens=12)[0]
+    long = engine.submit(prompt(12, 100), max_tokens=4)[0]
+    fed_short = []
+    while engine.sched.has_unfinished():
+        plan = engine.sched.schedule()
+        for seq in plan.decodes:
+            if not seq.long_rope:  # the positions this step feeds: its next token's on, num_steps of them
+                fed_short += range(seq.num_tokens - 1, seq.num_tokens - 1 + plan.num_steps)
+        engine.apply(plan)
+    engine.sched.check_idle_integrity()
+    assert short.output_ids == expected_output(prompt(3), 12) and long.output_ids == expected_output(prompt(12, 100), 4)
+    assert max(fed_short) == 9 and any(p.num_steps > 1 for p in engine.plans)
+    assert (short.num_preemptions, short.long_rope) == (1, True)
+    assert (long.num_preemptions, long.long_rope) == (0, True)
+    # The same prompt again starts short: the first sequence's pages from before the switch serve it.
+    again = engine.submit(prompt(3) + expected_output(prompt(3), 12)[:6], max_tokens=1)[0]
+    engine.run()
+    assert not again.long_rope and again.num_cached_tokens == 8
