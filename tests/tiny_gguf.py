@@ -4,6 +4,8 @@ weight in a chosen type."""
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -56,6 +58,13 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
     if arch == "phi3":
         head_dim = config.hidden_size // config.num_attention_heads
         w.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":  # as llama.cpp's converter: factors as tensors
+            original = rope["original_max_position_embeddings"]
+            factor = config.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+            w.add_rope_scaling_orig_ctx_len(original)
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     if tokens is not None:
         w.add_token_list(tokens)
         w.add_bos_token_id(config.bos_token_id)

@@ -99,8 +99,6 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     if arch in _GEMMA:
         cfg.update(_gemma_config(reader, arch, cfg))
     if arch == "phi3":
-        if "rope_factors_long.weight" in names:
-            raise WeightsError(f"{path}: LongRoPE (rope_factors_long / rope_factors_short) is not supported yet")
         rotary = field(reader, f"{arch}.rope.dimension_count")
         if rotary is not None:
             cfg["partial_rotary_factor"] = int(rotary) / cfg["head_dim"]
@@ -110,9 +108,32 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    if arch == "phi3" and _LONGROPE_TENSORS & names:
+        cfg["rope_scaling"] = _longrope(reader, arch, path)
     if "rope_freqs.weight" in names:
         raise WeightsError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
     return cfg
+
+
+# LongRoPE's factors, which llama.cpp's converter stores as tensors beside the weights.
+_LONGROPE_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def _longrope(reader: Any, arch: str, path: Path) -> dict[str, Any]:
+    """A Phi-3 GGUF's LongRoPE as HF's rope_scaling: the factor tensors, the switch
+    (rope.scaling.original_context_length) and the cos/sin scale (rope.scaling.attn_factor)."""
+    tensors = {t.name: t for t in reader.tensors if t.name in _LONGROPE_TENSORS}
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if len(tensors) != 2 or original is None:
+        raise WeightsError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short and "
+                           f"{arch}.rope.scaling.original_context_length")
+    factors = {name: [float(x) for x in np.asarray(t.data, np.float32).reshape(-1)] for name, t in tensors.items()}
+    out = {"type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+           "short_factor": factors["rope_factors_short.weight"], "original_max_position_embeddings": int(original)}
+    attention = field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        out["attention_factor"] = float(attention)
+    return out
 
 
 def _end_ids(reader: Any, arch: str) -> list[int] | int | None:
@@ -306,6 +327,8 @@ def open_tensors(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tupl
     arch = field(reader, "general.architecture")
     for t in reader.tensors:
         hf = _hf_name(t.name, arch)
+        if hf is None and t.name in _LONGROPE_TENSORS:
+            continue  # read into the config (_longrope)
         if hf is None:
             raise WeightsError(f"{path}: unexpected tensor {t.name!r}")
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dimensions innermost first

@@ -17,13 +17,14 @@ from tiny_gguf import write_gguf
 from tiny_models import _BASE, TINY_CONFIGS, dense_logits, randomize_weights
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18], [1, 42]]
-CLASSES = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
+CLASSES = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+           "phi3-longrope": "Phi3Config"}
 
 
 def _tiny(arch: str, directory):
     # A GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5 below 27B, so
     # the checkpoint must too for the file to mean the same model.
-    overrides = {**TINY_CONFIGS[arch][1], **({"query_pre_attn_scalar": 16} if arch != "phi3" else {})}
+    overrides = {**TINY_CONFIGS[arch][1], **({"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {})}
     config = getattr(transformers, CLASSES[arch])(**{**_BASE, **overrides})
     torch.manual_seed(1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
@@ -33,9 +34,9 @@ def _tiny(arch: str, directory):
 
 
 
-def _assert_hf_logits(decoder, hf) -> None:
-    ours = dense_logits(decoder, PROMPTS)
-    for i, prompt in enumerate(PROMPTS):
+def _assert_hf_logits(decoder, hf, prompts=PROMPTS) -> None:
+    ours = dense_logits(decoder, prompts)
+    for i, prompt in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float().numpy()
         np.testing.assert_allclose(ours[i, : len(prompt)], ref, atol=1e-4, rtol=0)
@@ -89,12 +90,17 @@ def test_gemma3_gguf_tokenizer(tmp_path):
     assert tok.decode([6, 7]) == " hello world"
 
 
-def test_phi3_gguf_logits_match_hf(tmp_path):
-    hf = _tiny("phi3", tmp_path / "hf")
+@pytest.mark.parametrize("name", ["phi3", "phi3-longrope"])
+def test_phi3_gguf_logits_match_hf(tmp_path, name):
+    """Phi-3, and with LongRoPE (its factors stored as tensors, read into the config) on prompts
+    on both sides of the switch."""
+    hf = _tiny(name, tmp_path / "hf")
     write_gguf(tmp_path / "phi3.gguf", tmp_path / "hf", hf.config, "phi3")
     loaded = load_model(tmp_path / "phi3.gguf", "float32", use_cache=False)
-    assert loaded.model.cfg.rotary_dim == 8  # half of head_dim 16, from rope.dimension_count
-    _assert_hf_logits(loaded.model, hf)
+    # rope.dimension_count: half of head_dim 16 for the first, all of it for the LongRoPE one.
+    assert (loaded.model.cfg.rotary_dim, loaded.model.cfg.rope.kind) == (
+        (8, "default") if name == "phi3" else (0, "longrope"))
+    _assert_hf_logits(loaded.model, hf, PROMPTS + [[1] + [(7 * i) % 250 + 3 for i in range(20)]])
 
 
 def test_phi3_q8_0_blocks_split_and_served_as_stored(tmp_path):
