@@ -94,9 +94,6 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
         raise ValueError("a draft model does not run on embedding inputs (images, prompt embeds): speculative "
                          "decoding with a draft model is for text-only models")
     sched = config.scheduler
-    if cfg.rope.kind == "longrope" and sched.speculative_method is not None:
-        # A verify step would have to stop its drafts at the switch to the long factors.
-        raise ValueError("speculative decoding does not run on a LongRoPE model yet")
     if sched.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {sched.max_model_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")

@@ -50,8 +50,8 @@ LongRoPE (`rope_switch`, a Phi-3 model's original_max_position): HF's Phi3 rotat
 its short factors while it is at most that long, and once it is longer recomputes its whole cache
 with the long ones. Here alike: a sequence admitted longer than the switch is computed long
 (`Sequence.long_rope`), and a short one that grows past it is preempted and recomputed long
-(never inside a multi-step decode loop: its iterations stop short of the switch). Long and short
-pages never share the prefix cache.
+(never inside a multi-step decode loop or a verify step: its iterations and drafts stop short of
+the switch). Long and short pages never share the prefix cache.
 """
 
 from __future__ import annotations
@@ -360,6 +360,9 @@ class Scheduler:
             want = self.config.num_speculative_tokens if p.num_assistant_tokens is None else p.num_assistant_tokens
             # Verifying d drafts can add d + 1 tokens.
             want = min(want, seq.max_total_tokens - seq.num_tokens - 1)
+            if self.rope_switch is not None and not seq.long_rope:
+                # The verify step feeds positions up to num_tokens - 1 + d: short ones stay below the switch.
+                want = min(want, self.rope_switch - seq.num_tokens)
             if want <= 0 or p.has_penalties or not seq.runs_unattended:
                 continue
             if self.config.speculative_method == "draft":

@@ -485,3 +485,16 @@ def test_longrope_sequences_recompute_long_past_the_switch():
     again = engine.submit(prompt(3) + expected_output(prompt(3), 12)[:6], max_tokens=1)[0]
     engine.run()
     assert not again.long_rope and again.num_cached_tokens == 8
+
+
+def test_longrope_drafts_stop_at_the_switch():
+    """A short LongRoPE row's n-gram drafts are cut so that its verify step feeds no position at
+    or past the switch (it would compute them with the short factors); a long row's are not."""
+    engine = FakeEngine(speculative_method="ngram", num_speculative_tokens=4, max_ngram_size=2, min_ngram_size=1)
+    engine.sched.rope_switch = 14
+    seq = engine.submit([1, 2, 3, 4, 5, 6] * 2, max_tokens=20)[0]
+    engine.step()  # the prompt, and its first token
+    seq.token_ids[-1] = 1  # "6 1" was followed by "2 3 4 5": four drafts on offer
+    assert engine.sched._drafts([seq]) == {seq: [2]}  # feeds position 13 = the switch - 1
+    seq.long_rope = True
+    assert engine.sched._drafts([seq]) == {seq: [2, 3, 4, 5]}
