@@ -244,13 +244,10 @@ class Scheduler:
                     f"sequence {seq.seq_id} has all {seq.num_tokens} tokens computed and none to sample from: "
                     "append the sampled token after advance()"
                 )
-            if self._needs_long_rope(seq):
+            if self._short_positions_left(seq) <= 0:
                 # Grown past original_max_position: recomputed with the long factors, as HF's Phi3
                 # recomputes its whole cache then. Its request's beams go with it.
-                victims = self._preempt(seq)
-                plan.preempted += victims
-                plan.decodes = [s for s in plan.decodes if s not in victims]
-                plan.prefills = [c for c in plan.prefills if c.seq not in victims]
+                self._preempt_planned(seq, plan)
                 continue
             if is_decoding(seq):
                 if self._reserve(seq, start + 1, plan):
@@ -332,10 +329,9 @@ class Scheduler:
         the pages for all of them may not be free while those for fewer are: the most that fit,
         rather than one at once."""
         steps = min(self.config.decode_steps, max(s.max_total_tokens - s.num_tokens - ahead for s in rows))
-        if self.rope_switch is not None:
-            # A short-factor row feeds positions below the switch only (its next iteration feeds
-            # num_tokens - 1 + ahead); past it, the row is recomputed first.
-            steps = min([steps] + [self.rope_switch - s.num_tokens - ahead + 1 for s in rows if not s.long_rope])
+        # A short-factor row feeds positions below the LongRoPE switch only (its next iteration
+        # feeds num_tokens - 1 + ahead); past it, the row is recomputed first.
+        steps = int(min([steps] + [self._short_positions_left(s) - ahead for s in rows]))
         for k in range(steps, least - 1, -1):
             want = {s: self.allocator.pages_for(min(s.num_tokens + ahead + k - 1, s.max_total_tokens)) - len(s.pages)
                     for s in rows}
@@ -360,9 +356,8 @@ class Scheduler:
             want = self.config.num_speculative_tokens if p.num_assistant_tokens is None else p.num_assistant_tokens
             # Verifying d drafts can add d + 1 tokens.
             want = min(want, seq.max_total_tokens - seq.num_tokens - 1)
-            if self.rope_switch is not None and not seq.long_rope:
-                # The verify step feeds positions up to num_tokens - 1 + d: short ones stay below the switch.
-                want = min(want, self.rope_switch - seq.num_tokens)
+            # The verify step feeds d + 1 positions: a short-factor row's stay below the switch.
+            want = int(min(want, self._short_positions_left(seq) - 1))
             if want <= 0 or p.has_penalties or not seq.runs_unattended:
                 continue
             if self.config.speculative_method == "draft":
@@ -471,20 +466,30 @@ class Scheduler:
         they fit. False if `seq` itself was the newest and got preempted."""
         num_new = self.allocator.pages_for(num_tokens) - len(seq.pages)
         while num_new > 0 and not self.allocator.can_allocate(num_new):
-            victims = self._preempt(max(self.running, key=Sequence.sort_key))
-            plan.preempted += victims
-            if victims[0].beam is not None:  # its beams planned before it this step run no more
-                plan.decodes = [s for s in plan.decodes if s not in victims]
-                plan.prefills = [c for c in plan.prefills if c.seq not in victims]
-                plan.added = [s for s in plan.added if s not in victims]
+            victims = self._preempt_planned(max(self.running, key=Sequence.sort_key), plan)
             if seq in victims:
                 return False
         if num_new > 0:
             seq.pages.extend(self.allocator.allocate(num_new))
         return True
 
-    def _needs_long_rope(self, seq: Sequence) -> bool:
-        return self.rope_switch is not None and not seq.long_rope and seq.num_tokens > self.rope_switch
+    def _short_positions_left(self, seq: Sequence) -> float:
+        """How many positions, from its next one (num_tokens - 1) on, a sequence may still feed
+        with LongRoPE's short factors before it must be recomputed long (inf: any other)."""
+        if self.rope_switch is None or seq.long_rope:
+            return float("inf")
+        return self.rope_switch - (seq.num_tokens - 1)
+
+    def _preempt_planned(self, seq: Sequence, plan: SchedulerOutput) -> list[Sequence]:
+        """`_preempt(seq)` while `plan` is being built: the victims are recorded as preempted, and
+        a beam group's members planned before it this step run no more."""
+        victims = self._preempt(seq)
+        plan.preempted += victims
+        if victims[0].beam is not None:
+            plan.decodes = [s for s in plan.decodes if s not in victims]
+            plan.prefills = [c for c in plan.prefills if c.seq not in victims]
+            plan.added = [s for s in plan.added if s not in victims]
+        return victims
 
     def _preempt(self, seq: Sequence) -> list[Sequence]:
         """Free everything and requeue: the output so far stays in token_ids and is recomputed

@@ -254,8 +254,9 @@ def packed_decoder_hidden_states(model: Decoder, tokens: Array, positions: Array
         # As HF's forward over each input alone: long factors for an input longer than the switch.
         # (Segments number the inputs 0.. in a row of T tokens; -1 is padding.)
         t = tokens.shape[0]
-        last = jax.ops.segment_max(positions, jnp.where(segments < 0, t, segments), num_segments=t + 1)
-        long_rope = (last[jnp.where(segments < 0, t, segments)] + 1 > body.rope.original_max_position)[None]
+        ids = jnp.where(segments < 0, t, segments)
+        last = jax.ops.segment_max(positions, ids, num_segments=t + 1)
+        long_rope = (last[ids] + 1 > body.rope.original_max_position)[None]
     hidden, _ = model.hidden_states(tokens[None], positions[None], attend, long_rope=long_rope)
     return hidden[0]
 

@@ -269,32 +269,21 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
     )
     if common["rope"].kind == "longrope" and arch != "Phi3ForCausalLM":
         raise UnsupportedModelError(f"rope scaling type 'longrope' is supported for Phi3ForCausalLM, not {arch}")
-    if arch == "Gemma2ForCausalLM":
-        return DecoderConfig(
-            **common,
-            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
-            qkv_bias=bool(_get(cfg, "attention_bias", False)),
-            o_bias=bool(_get(cfg, "attention_bias", False)),
-            norm_weight_offset=1.0,
-            sandwich_norms=True,
-            embed_scale=math.sqrt(hidden),
-            attn_logit_softcap=cfg.get("attn_logit_softcapping"),
-            final_logit_softcap=cfg.get("final_logit_softcapping"),
-            query_scale=float(_get(cfg, "query_pre_attn_scalar", head_dim)) ** -0.5,
-        )
-    if arch == "Gemma3ForCausalLM":
-        if cfg.get("use_bidirectional_attention"):
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        # Gemma3 is Gemma2's layer with q/k norms and its sliding layers' own RoPE.
+        gemma3 = arch == "Gemma3ForCausalLM"
+        if gemma3 and cfg.get("use_bidirectional_attention"):
             # EmbeddingGemma's encoder: its tokens see the whole window both ways.
             raise UnsupportedModelError("Gemma3 with use_bidirectional_attention (an encoder, as EmbeddingGemma) "
                                         "is not supported")
         bias = bool(_get(cfg, "attention_bias", False))
         return DecoderConfig(
             **common,
-            local_rope=_gemma3_local_rope(cfg),
+            local_rope=_gemma3_local_rope(cfg) if gemma3 else None,
             tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", True)),
             qkv_bias=bias,
             o_bias=bias,
-            qk_norm=True,
+            qk_norm=gemma3,
             norm_weight_offset=1.0,
             sandwich_norms=True,
             embed_scale=math.sqrt(hidden),

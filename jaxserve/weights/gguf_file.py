@@ -96,6 +96,9 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
         "eos_token_id": _end_ids(reader, arch),
         "torch_dtype": weights_dtype(reader),
     }
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
     if arch in _GEMMA:
         cfg.update(_gemma_config(reader, arch, cfg))
     if arch == "phi3":
@@ -105,11 +108,8 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
         window = field(reader, f"{arch}.attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
-    scaling = field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-    if arch == "phi3" and _LONGROPE_TENSORS & names:
-        cfg["rope_scaling"] = _longrope(reader, arch, path)
+        if _LONGROPE_TENSORS & names:
+            cfg["rope_scaling"] = _longrope(reader, arch, path)
     if "rope_freqs.weight" in names:
         raise WeightsError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported yet")
     return cfg

@@ -35,7 +35,8 @@ TARGETS: dict[str, tuple[str, str]] = {
 }
 
 # Fused projections (Phi-3 / Phi-4's qkv_proj and gate_up_proj, which the model holds as their
-# parts): an adapter on one is an adapter on each part with the same A and B's rows of that part.
+# parts; jaxserve.weights.source splits the checkpoint's by this table): an adapter on one is an
+# adapter on each part with the same A and B's rows of that part.
 FUSED_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
 }
@@ -166,9 +167,9 @@ def load_adapter(spec: LoraModuleSpec, num_layers: int, shapes: dict[str, tuple[
     tensors = open_tensors([weights_path])
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     modules: dict[tuple[int, str], str] = {}
+    known = {**TARGETS, **{fused: (part, None) for fused, (part, _) in FUSED_TARGETS.items()}}
     for key, (load, _, _) in tensors.items():
         m = _KEY.match(key)
-        known = {**TARGETS, **{fused: (part, None) for fused, (part, _) in FUSED_TARGETS.items()}}
         if m is None or m.group(4) not in known or known[m.group(4)][0] != m.group(3):
             raise WeightsError(f"{where}: tensor {key} is not a LoRA factor of a decoder projection "
                                f"({', '.join([*TARGETS, *FUSED_TARGETS])}); embedding, LM-head and other adapters "

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.weights import gguf_file, safetensors_dir
+from jaxserve.weights.lora_adapter import FUSED_TARGETS
 from jaxserve.weights.safetensors_dir import TensorSource, WeightsError
 
 
@@ -89,9 +90,10 @@ class ModelSource:
         return h.hexdigest()[:24]
 
 
-# Fused projections (Phi-3 / Phi-4) -> the projections whose rows they stack, in order.
-_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# Fused projections (Phi-3 / Phi-4) -> the projections whose rows they stack, in order: the
+# checkpoint's module paths of lora_adapter.FUSED_TARGETS.
+_FUSED = {f"{module}.{fused}": tuple(f"{module}.{part}" for part in parts)
+          for fused, (module, parts) in FUSED_TARGETS.items()}
 
 
 def fused_rows(config: dict[str, Any], fused: str) -> tuple[int, ...]:
