@@ -44,15 +44,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False, tie_word_embeddings=False,
         torch_dtype="bfloat16", vocab_size=152064,
     ),
+    # Mixtures of experts (their Hub config.json files): 128 experts of 768, top 8; 8 of 14336, top 2.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, bos_token_id=151643, eos_token_id=151645,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        torch_dtype="bfloat16", vocab_size=151936,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_act="silu", hidden_size=4096,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+        torch_dtype="bfloat16", vocab_size=32000,
+    ),
 }  # fmt: skip
 
 
 def parameter_count(cfg: dict[str, Any]) -> int:
-    """Parameters of a Llama-style decoder of this config (embedding and head counted separately)."""
+    """Parameters of a Llama-style decoder of this config (embedding and head counted separately);
+    a mixture of experts' every expert and router (all layers sparse, as the presets' are)."""
     h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = h // cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     attn = h * head_dim * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
-    per_layer = attn + 3 * h * i + 2 * h
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    mlp = experts * (3 * h * cfg.get("moe_intermediate_size", i) + h) if experts else 3 * h * i
+    per_layer = attn + mlp + 2 * h
     heads = 1 if cfg.get("tie_word_embeddings") else 2
     return n * per_layer + heads * cfg["vocab_size"] * h + h
 

@@ -131,6 +131,10 @@ def abstract_params(cfg: Any, dtype: Any, mesh: Any, lora: tuple[int, int] = (0,
     module = nnx.eval_shape(lambda: Decoder(cfg, dtype))
     if lora[0]:
         add_lora_slots(module, *lora, TARGETS, abstract=True, dtype=dtype)  # a TPU's factors: the model's dtype
+    if cfg.moe is not None and plan.rules["experts"]:
+        from jaxserve.models.moe import shard_experts
+
+        shard_experts(module, mesh)
     graphdef, state = nnx.split(module)
 
     def place(path: tuple, leaf: Any) -> Any:

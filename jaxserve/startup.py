@@ -257,6 +257,7 @@ def start_engine(config: "Config", default_max_model_len: int | None = None,
     log.info("attention: %s", describe_backend(attention_backend))
     matmul_backend = products.resolve_backend(config.matmul_backend, ready.loaded.model.dtype, tensor_parallel=tp)
     blocks = ready.loaded.blocks
+    products.check_quantization_for(ready.loaded.config, asked)
     if asked == "int4":  # before any weight is repacked: the model's shapes against the group size
         products.check_int4_shapes(ready.loaded.config, config.model.quantization_group_size)
     quantization = products.resolve_quantization(asked, gguf_blocks=blocks is not None)

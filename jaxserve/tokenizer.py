@@ -326,7 +326,7 @@ def _gguf_tokenizer_cache(path: Path, cache_dir: Path | None) -> Path | None:
 
 # GGUF general.architecture -> the transformers converter that builds its fast tokenizer.
 _GGUF_TOKENIZER_MODELS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                          "gemma3": "gemma3_text", "phi3": "phi3"}
+                          "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 
 def _hf_tokenizer_from_gguf(path: Path) -> tuple[Any, dict[str, Any]]:

@@ -11,6 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from jaxserve.weights.gguf_file import _hf_name
+from jaxserve.weights.source import _mixtral_name
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -26,8 +27,27 @@ def write_llama_gguf(path, hf_dir, config, qtype: Q = Q.F32, types: dict[str, Q]
     write_gguf(path, hf_dir, config, "llama", qtype, types)
 
 
+def _moe_tensors(tensors: dict[str, np.ndarray], per_expert: bool) -> dict[str, np.ndarray]:
+    """A mixture of experts' tensors under the names _hf_name gives llama.cpp's: Mixtral's renamed
+    as Qwen's (mlp.gate, mlp.experts.E.gate_proj), and each layer's experts stacked [experts,
+    out, in] as llama.cpp's converter writes them (ffn_gate_exps), unless `per_expert` (the older
+    Mixtral files' blk.N.ffn_gate.E)."""
+    out, stacks = {}, {}
+    for name, arr in tensors.items():
+        name = _mixtral_name(name)
+        head, sep, rest = name.partition(".experts.")
+        if not sep or per_expert:
+            out[name] = arr
+            continue
+        index, _, proj = rest.partition(".")
+        stacks.setdefault(f"{head}.experts.{proj}", {})[int(index)] = arr
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
 def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[str, Q] | None = None,
-               tokens: list[str] | None = None) -> None:
+               tokens: list[str] | None = None, per_expert: bool = False) -> None:
     """As write_llama_gguf, for GGUF architecture `arch` (llama, gemma2, gemma3 or phi3: its fused
     attn_qkv and gate-and-up ffn_up as HF's Phi3 stores them, its rotated dimensions). Gemma files are
     written as llama.cpp's converter writes them: norms stored as 1 + w, the sliding window,
@@ -35,7 +55,7 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
     a vocabulary to store with the config's bos and eos (the weights alone need none)."""
     from safetensors.numpy import load_file
 
-    tensors = load_file(hf_dir / "model.safetensors")
+    tensors = _moe_tensors(load_file(hf_dir / "model.safetensors"), per_expert)
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(path, arch)
     rope = config.rope_parameters
@@ -78,6 +98,14 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(config.vocab_size)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     names = {v: k for k, v in _GGUF_TO_HF(tensors, arch).items()}
     for hf, arr in tensors.items():
         if hf == "lm_head.weight" and config.tie_word_embeddings:
@@ -92,7 +120,7 @@ def write_gguf(path, hf_dir, config, arch: str, qtype: Q = Q.F32, types: dict[st
         kind = (types or {}).get(names[hf], qtype)
         if arr.ndim == 2 and kind in (Q.Q4_K, Q.Q6_K):
             w.add_tensor(names[hf], random_k_blocks(kind, *arr.shape, seed=len(names[hf])), raw_dtype=kind)
-        elif arr.ndim == 2 and kind != Q.F32:
+        elif arr.ndim >= 2 and kind != Q.F32:
             w.add_tensor(names[hf], gguf.quants.quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(names[hf], arr)
@@ -106,7 +134,10 @@ def _GGUF_TO_HF(tensors, arch: str = "llama") -> dict[str, str]:
     out = {}
     for i in range(64):
         for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                  "ffn_down", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm", "attn_qkv"):
+                  "ffn_down", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm", "attn_qkv",
+                  "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                  "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp",
+                  *(f"{p}.{e}" for p in ("ffn_gate", "ffn_up", "ffn_down") for e in range(16))):
             for suffix in ("weight", "bias"):
                 hf = _hf_name(f"blk.{i}.{g}.{suffix}", arch)
                 if hf in tensors:

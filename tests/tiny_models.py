@@ -78,6 +78,16 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
                              short_factor=[1.0 + 0.1 * i for i in range(8)],
                              long_factor=[1.5 + 0.7 * i for i in range(8)]))),
+    # Mixtures of experts: every layer sparse (Mixtral, top-k renormalised); Qwen3-MoE with a
+    # dense middle layer (mlp_only_layers) and top-3 of 8; Qwen2-MoE's gated shared expert and
+    # unnormalised top-k weights.
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, tie_word_embeddings=True)),
 }
 
 

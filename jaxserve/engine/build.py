@@ -36,6 +36,7 @@ from jaxserve.engine.rows import row_params
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_inputs import Key, StepInputBuilder
+from jaxserve.models import products
 from jaxserve.models.decoder import Decoder
 from jaxserve.parallel import ShardingPlan, mesh_of
 from jaxserve.parallel.multihost import StepChannel, smallest_over_processes
@@ -101,6 +102,12 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
                       jax.local_devices()[0])
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
+    products.check_quantization_for(cfg, config.quantization)
+    mesh = mesh_of(nnx.state(decoder))
+    if cfg.moe is not None and mesh is not None and ShardingPlan(mesh, cfg).rules["experts"]:
+        from jaxserve.models.moe import shard_experts
+
+        shard_experts(decoder, mesh)
     lora = _lora_slots(decoder, config.max_cpu_loras, config.lora_eviction_policy)
     builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds,
                              lora=lora)

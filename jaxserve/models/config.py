@@ -1,8 +1,9 @@
 """Architecture description of a decoder-only model, parsed from a Hugging Face config.json.
 
 One frozen dataclass describes every supported family; the differences between Llama, Mistral,
-Qwen2, Qwen3, Gemma2 and Gemma3 are a handful of switches (biases, q/k norms, sandwich norms,
-soft-caps, per-layer sliding windows and RoPE). The model code reads only this, never the raw HF dict.
+Qwen2, Qwen3, Gemma2, Gemma3 and Phi-3 are a handful of switches (biases, q/k norms, sandwich norms,
+soft-caps, per-layer sliding windows and RoPE), and Mixtral, Qwen2-MoE and Qwen3-MoE are those
+families with routed experts in place of the MLP (`MoeConfig`). The model code reads only this, never the raw HF dict.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+
+# Mixture-of-experts families -> the dense family whose attention, norms and RoPE they share; the
+# MLP of their sparse layers is a routed mixture of experts (jaxserve.models.moe).
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "MistralForCausalLM", "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+                     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM"}
 
 
 # Vision-language models (VISION_LANGUAGE_ARCHITECTURES, and LANGUAGE_MODEL_ONLY_ARCHITECTURES
@@ -60,6 +69,23 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts of a mixture-of-experts model's sparse layers: each token's router picks
+    `top_k` of `num_experts` SwiGLU experts (width `intermediate_size`) by softmax probability and
+    sums their outputs weighted by those probabilities (renormalised over the picked ones with
+    `norm_topk_prob`); Qwen2-MoE adds a shared expert every token runs, gated by a sigmoid."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    # Per layer: whether its MLP is the experts (Qwen's decoder_sparse_step / mlp_only_layers keep
+    # some layers dense, with the config's intermediate_size).
+    sparse_layers: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +129,7 @@ class DecoderConfig:
     # Qwen2.5-VL's multimodal RoPE: consecutive sections of the rotary frequencies rotate by the
     # temporal, height and width positions (() = ordinary RoPE, one position per token).
     mrope_section: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # a mixture-of-experts model's experts (None: every MLP dense)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype, used by --dtype auto
@@ -121,6 +148,10 @@ class DecoderConfig:
 
     def windows(self) -> tuple[int, ...]:
         return self.layer_windows or (0,) * self.num_layers
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the routed experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
 
 def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -208,6 +239,27 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
 
 
+def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoeConfig:
+    """The experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json. Mixtral's experts are
+    `intermediate_size` wide, renormalise their top-k weights, and every layer is sparse; Qwen's
+    are `moe_intermediate_size` wide, renormalise with norm_topk_prob, and a layer is sparse unless
+    it is in mlp_only_layers or off the decoder_sparse_step grid."""
+    experts = int(_get(cfg, "num_local_experts", None) or _get(cfg, "num_experts", 0))
+    top_k = int(_get(cfg, "num_experts_per_tok", 2))
+    if experts < 1 or not 0 < top_k <= experts:
+        raise UnsupportedModelError(f"{arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
+                                    f"got {experts} and {top_k}")
+    if arch == "MixtralForCausalLM":
+        # (router_jitter_noise is a training device: HF applies it in train mode only.)
+        return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), True, 0, (True,) * num_layers)
+    step = int(_get(cfg, "decoder_sparse_step", 1))
+    dense = set(int(i) for i in _get(cfg, "mlp_only_layers", []))
+    sparse = tuple(i not in dense and step > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(_get(cfg, "shared_expert_intermediate_size", 0)) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoeConfig(experts, top_k, int(_get(cfg, "moe_intermediate_size", cfg["intermediate_size"])),
+                     bool(_get(cfg, "norm_topk_prob", False)), shared, sparse)
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a vision-language config.json (its text_config, with the
     causal-LM architecture of its model_type); any other config as it is."""
@@ -239,6 +291,8 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
             f"architecture {archs or '(none given)'} is not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE_ARCHITECTURES + LANGUAGE_MODEL_ONLY_ARCHITECTURES)
         )
+    # A mixture-of-experts model parses as its dense family, with its experts (`_moe`) added.
+    family = MOE_ARCHITECTURES.get(arch, arch)
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(_get(cfg, "num_key_value_heads", heads))
@@ -262,7 +316,8 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
         rope=_rope(cfg, "full_attention" if arch == "Gemma3ForCausalLM" else None),
         hidden_act=act,
-        layer_windows=_layer_windows(cfg, arch, num_layers),
+        layer_windows=_layer_windows(cfg, family, num_layers),
+        moe=_moe(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos(cfg),
         dtype=str(_get(cfg, "dtype", None) or _get(cfg, "torch_dtype", "float32")),
@@ -306,13 +361,13 @@ def decoder_config_from_hf(cfg: dict[str, Any]) -> DecoderConfig:
             raise UnsupportedModelError(f"LongRoPE needs {rotary // 2} short and long factors (one per rotary "
                                         f"frequency), got {len(rope.short_factor)} and {len(rope.long_factor)}")
         return DecoderConfig(**common, tie_word_embeddings=tie, rotary_dim=0 if rotary == head_dim else rotary)
-    if arch == "Qwen2ForCausalLM":
+    if family == "Qwen2ForCausalLM":
         mrope = _mrope_section(cfg)
         if mrope and 2 * sum(mrope) != head_dim:
             raise UnsupportedModelError(f"mrope_section {list(mrope)} covers {sum(mrope)} of head_dim/2 = "
                                         f"{head_dim // 2} rotary frequencies")
         return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=True, mrope_section=mrope)
-    if arch == "Qwen3ForCausalLM":
+    if family == "Qwen3ForCausalLM":
         bias = bool(_get(cfg, "attention_bias", False))
         return DecoderConfig(**common, tie_word_embeddings=tie, qkv_bias=bias, o_bias=bias, qk_norm=True)
     bias = bool(_get(cfg, "attention_bias", False))

@@ -13,7 +13,7 @@ projection, norm and RoPE line below.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,8 @@ from flax import nnx, struct
 
 from jaxserve.models import products
 from jaxserve.models.config import DecoderConfig, RopeConfig
-from jaxserve.models.layers import Linear, RMSNorm, run_layers, zeros_param
+from jaxserve.models.layers import Linear, RMSNorm, activation, run_layers, zeros_param
+from jaxserve.models.moe import SparseMoe
 
 Array = jax.Array
 
@@ -95,14 +96,6 @@ def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
-def _activation(name: str) -> Callable[[Array], Array]:
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu_pytorch_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return lambda x: jax.nn.gelu(x, approximate=False)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, dtype: Any):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -134,25 +127,32 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: Any):
-        h, i = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: DecoderConfig, dtype: Any, width: int | None = None):
+        h, i = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = Linear(h, i, cfg.mlp_bias, dtype)
         self.up_proj = Linear(h, i, cfg.mlp_bias, dtype)
         self.down_proj = Linear(i, h, cfg.mlp_bias, dtype)
         self.act_name = cfg.hidden_act
 
     def __call__(self, x: Array, lora_mask: Array | None = None) -> Array:
-        act = _activation(self.act_name)
+        act = activation(self.act_name)
         return self.down_proj(act(self.gate_proj(x, lora_mask)) * self.up_proj(x, lora_mask), lora_mask)
 
 
+def _sparse_mlp(cfg: DecoderConfig, dtype: Any) -> SparseMoe:
+    moe = cfg.moe
+    shared = MLP(cfg, dtype, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoe(cfg, dtype, shared)
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: Any):
+    def __init__(self, cfg: DecoderConfig, dtype: Any, index: int = 0):
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, dtype)
+        # A mixture-of-experts model's sparse layers route each token to its experts.
+        self.mlp = _sparse_mlp(cfg, dtype) if cfg.is_sparse(index) else MLP(cfg, dtype)
         # Gemma2's "sandwich": post_attention_layernorm normalises the attention output and two
         # more norms wrap the MLP; in Llama post_attention_layernorm is the pre-MLP norm.
         self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
@@ -183,7 +183,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = zeros_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # [vocab, hidden]
-        self.layers = nnx.List([DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset, dtype)
         # [vocab, hidden], HF's own orientation, so a tied head is the embedding itself.
         self.lm_head = None if cfg.tie_word_embeddings else zeros_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

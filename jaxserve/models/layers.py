@@ -74,6 +74,15 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * h.astype(x.dtype)
 
 
+def activation(name: str) -> Callable[[Array], Array]:
+    """An MLP's activation by its HF name (silu, gelu_pytorch_tanh, gelu)."""
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return lambda x: jax.nn.gelu(x, approximate=False)
+
+
 LayerBody = Callable[[Any, Any, Any, Any], Any]  # (layer module, carry, shared, per_layer) -> carry
 
 

@@ -36,7 +36,12 @@ Array = jax.Array
 
 
 def target_shapes(decoder: Any) -> dict[str, tuple[int, int]]:
-    """Each target projection's (in, out) in `decoder`."""
+    """Each target projection's (in, out) in `decoder`. Raises ValueError for a mixture of
+    experts, whose experts take no adapter slots (yet)."""
+    cfg = decoder.cfg
+    if getattr(cfg, "moe", None) is not None:
+        raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} (a mixture of experts) yet: "
+                         "its experts take no adapter slots")
     layer = decoder.layers[0]
     return {proj: tuple(getattr(getattr(layer, part), proj).kernel.get_value().shape)  # type: ignore[misc]
             for proj, (part, _) in TARGETS.items()}

@@ -370,11 +370,12 @@ def _divisible(sharding: Any, shape: tuple[int, ...]) -> Any:
 
 def _product_weight(path: tuple, head_path: tuple[str, ...] | None) -> str | None:
     """"head" for the LM head, "kernel" for a Linear kernel, None for a parameter that multiplies
-    nothing (norms, biases, an untied embedding)."""
+    nothing (norms, biases, an untied embedding) or not as a Linear: a mixture of experts' stacked
+    kernels (jaxserve.models.moe) run in the model's dtype."""
     keys = _keys(path)
     if keys == head_path:
         return "head"
-    return "kernel" if keys[-1] == "kernel" else None
+    return "kernel" if keys[-1] == "kernel" and "experts" not in keys else None
 
 
 def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization: str, group: int = 32) -> Any:
@@ -414,6 +415,14 @@ def resolve_quantization(name: str, gguf_blocks: bool = False) -> str:
     if name not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of auto, {', '.join(QUANTIZATIONS)}; got {name!r}")
     return name
+
+
+def check_quantization_for(cfg: Any, quantization: str) -> None:
+    """Refuse --quantization int8 / int4 for a mixture-of-experts model: its experts (nearly all of
+    its weights) have no quantized form yet, and quantizing only the rest would be a quiet half."""
+    if getattr(cfg, "moe", None) is not None and quantization in ("int8", "int4"):
+        raise ValueError(f"--quantization {quantization} is not supported for {cfg.architecture} (a mixture of "
+                         "experts): its expert weights run in the model's dtype; pass --quantization none (or auto)")
 
 
 def check_group_size(group: int) -> None:

@@ -43,6 +43,16 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "up_proj", "kernel"): (None, "mlp"),
     ("mlp", "up_proj", "bias"): ("mlp",),
     ("mlp", "down_proj", "kernel"): ("mlp", None),
+    # A mixture of experts splits its experts over the devices (expert parallelism: whole experts
+    # per device, jaxserve.models.moe.shard_experts) when their number divides evenly; otherwise
+    # every expert's width, as a dense MLP's. The router stays whole. Qwen2-MoE's shared expert
+    # splits as a dense MLP.
+    ("mlp", "experts", "gate_proj", "kernel"): ("experts", None, "expert_mlp"),
+    ("mlp", "experts", "up_proj", "kernel"): ("experts", None, "expert_mlp"),
+    ("mlp", "experts", "down_proj", "kernel"): ("experts", "expert_mlp", None),
+    ("mlp", "shared_expert", "gate_proj", "kernel"): (None, "shared_mlp"),
+    ("mlp", "shared_expert", "up_proj", "kernel"): (None, "shared_mlp"),
+    ("mlp", "shared_expert", "down_proj", "kernel"): ("shared_mlp", None),
     # LoRA factors (jaxserve.models.lora) split with their projection: b [S * r, out] by the output
     # columns of the column-parallel projections, a [in, S * r] by the input rows of the row-parallel
     # ones; the other factor is small and replicated.
@@ -64,9 +74,20 @@ class ShardingPlan:
         n = mesh.shape[MODEL_AXIS]
         sizes = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size,
                  "vocab": cfg.vocab_size}
+        if cfg.moe is not None:
+            sizes["experts"] = cfg.moe.num_experts
+            sizes["expert_mlp"] = cfg.moe.intermediate_size
+            sizes["shared_mlp"] = cfg.moe.shared_intermediate_size
         # logical axis -> mesh axis (None: replicated because it does not split evenly)
         self.rules: dict[str, str | None] = {name: MODEL_AXIS if size % n == 0 else None
                                              for name, size in sizes.items()}
+        if self.rules.get("experts") and n > 1:
+            # Whole experts per device rather than a slice of each: every device's grouped products
+            # are full width (a 768-wide Qwen3-MoE expert split 8 ways is 96 columns, not a whole
+            # TPU lane tile of 128, which XLA:TPU's ragged dot copies every step to pad).
+            self.rules["expert_mlp"] = None
+        elif "experts" in self.rules:
+            self.rules["experts"] = None
         self._sizes = sizes
 
     @property
@@ -111,8 +132,14 @@ class ShardingPlan:
                     "tensor parallelism, with every axis whole"]
         lines = [f"tensor parallel over {n} devices ({', '.join(str(d) for d in self.mesh.devices.flat)})"]
         for name, what in (("heads", "attention q/o projections"), ("kv_heads", "k/v projections and KV cache"),
-                           ("mlp", "MLP gate/up/down"), ("vocab", "embedding and LM head")):
-            size = self._sizes[name]
+                           ("mlp", "MLP gate/up/down"), ("experts", "experts (expert parallel)"),
+                           ("expert_mlp", "every expert's gate/up/down"),
+                           ("shared_mlp", "shared expert's gate/up/down"), ("vocab", "embedding and LM head")):
+            size = self._sizes.get(name)
+            # Experts split either whole (expert parallel) or by their width: one line says which.
+            unused = "expert_mlp" if self.rules.get("experts") else "experts"
+            if not size or name == unused:
+                continue
             if self.rules[name]:
                 lines.append(f"{what}: {name} {size} split {size // n} per device")
             else:

@@ -699,7 +699,7 @@ def auto_parser(chat_template: str | None, architecture: str | None = None) -> s
     arch = (architecture or "").lower()
     if arch.startswith(("qwen", "hermes")):
         return "hermes"
-    if arch.startswith("mistral"):
+    if arch.startswith(("mistral", "mixtral")):
         return "mistral"
     if arch.startswith("llama"):
         return "llama3_json"

@@ -21,7 +21,10 @@ from jaxserve.weights.safetensors_dir import TensorSource, WeightsError
 
 # GGUF general.architecture -> HF architectures entry. Mistral checkpoints convert as "llama".
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# Mixtral converts as "llama" with experts (llama.expert_count).
+_MIXTRAL = "MixtralForCausalLM"
 # Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w, which llama.cpp multiplies
 # by as any norm weight. The model here adds the 1 itself, so it is taken off when read.
 _GEMMA = ("gemma2", "gemma3")
@@ -38,7 +41,19 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, every expert's projections stacked [experts, out, in], and
+    # Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Older Mixtral files store each expert on its own: blk.N.ffn_gate.E.weight (stacked by the source).
+_PER_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Gemma's four norms per layer ("sandwich"): llama.cpp's ffn_norm is the pre-MLP norm, which Gemma
 # calls pre_feedforward_layernorm (its post_attention_layernorm follows the attention).
 _GEMMA_LAYER_NAMES = {
@@ -99,6 +114,8 @@ def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"type": scaling, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    if field(reader, f"{arch}.expert_count"):
+        cfg.update(_moe_config(reader, arch, path, cfg))
     if arch in _GEMMA:
         cfg.update(_gemma_config(reader, arch, cfg))
     if arch == "phi3":
@@ -133,6 +150,31 @@ def _longrope(reader: Any, arch: str, path: Path) -> dict[str, Any]:
     attention = field(reader, f"{arch}.rope.scaling.attn_factor")
     if attention is not None:
         out["attention_factor"] = float(attention)
+    return out
+
+
+def _moe_config(reader: Any, arch: str, path: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' settings as HF's config.json names them, as llama.cpp runs them:
+    Mixtral ("llama" with experts) and Qwen3-MoE renormalise the top-k weights, Qwen2-MoE does
+    not; every layer is sparse."""
+    if arch not in ("llama", "qwen2moe", "qwen3moe"):
+        raise WeightsError(f"{path}: GGUF architecture {arch!r} with experts is not supported")
+    scale = field(reader, f"{arch}.expert_weights_scale")
+    if scale not in (None, 1.0):
+        raise WeightsError(f"{path}: {arch}.expert_weights_scale {scale} (scaled expert weights) is not supported")
+    gating = field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise WeightsError(f"{path}: {arch}.expert_gating_func {gating} is not supported (softmax routing only)")
+    out: dict[str, Any] = {"num_experts": int(field(reader, f"{arch}.expert_count")),
+                           "num_experts_per_tok": int(field(reader, f"{arch}.expert_used_count"))}
+    if arch == "llama":
+        return {**out, "architectures": [_MIXTRAL]}
+    out["moe_intermediate_size"] = int(field(reader, f"{arch}.expert_feed_forward_length",
+                                             cfg["intermediate_size"] // out["num_experts_per_tok"]))
+    out["norm_topk_prob"] = bool(field(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    shared = field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
     return out
 
 
@@ -193,6 +235,8 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
     layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _PER_EXPERT and parts[3].isdigit():
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_PER_EXPERT[parts[2]]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
@@ -216,7 +260,7 @@ BLOCK = 32
 
 def _permuted_heads(cfg: dict[str, Any], hf: str) -> int | None:
     """The head count whose RoPE halves llama.cpp interleaved in this tensor's rows, if any."""
-    if cfg["architectures"][0] != "LlamaForCausalLM":
+    if cfg["architectures"][0] not in ("LlamaForCausalLM", _MIXTRAL):
         return None
     if hf.endswith("q_proj.weight"):
         return cfg["num_attention_heads"]
@@ -300,7 +344,8 @@ def open_blocks(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, tuple
     arch = field(reader, "general.architecture")
     for t in reader.tensors:
         hf = _hf_name(t.name, arch)
-        if hf is None or t.tensor_type.name not in KEPT_TYPES:
+        # Experts run in the model's dtype (jaxserve.models.moe): their blocks are never kept.
+        if hf is None or t.tensor_type.name not in KEPT_TYPES or ".experts." in hf:
             continue
         cols, rows = (int(n) for n in t.shape)  # ggml lists dimensions innermost first
         block = 256 if t.tensor_type.name.endswith("_K") else BLOCK

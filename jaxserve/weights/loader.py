@@ -176,7 +176,9 @@ def restore_or_build(
 def _product_tensor(name: str, head: str) -> bool:
     """Whether HF tensor `name` multiplies activations: a Linear weight, or the head (`head`: the
     embedding when tied)."""
-    return name == head or (name.startswith("model.layers.") and name.endswith("_proj.weight"))
+    # A mixture of experts' stacked kernels are not Linear products (they run in the model's dtype).
+    return name == head or (name.startswith("model.layers.") and name.endswith("_proj.weight")
+                            and ".experts." not in name)
 
 
 def stored_blocks(source: ModelSource, head_path: tuple[str, ...], strict: bool = True,
@@ -200,8 +202,17 @@ def stored_blocks(source: ModelSource, head_path: tuple[str, ...], strict: bool 
             f"keeps a GGUF's blocks in {', '.join(KEPT_TYPES)} (and float {', '.join(FLOAT_TYPES)}) only. "
             "Pass --quantization auto to run such tensors dequantized, none to dequantize the whole model, "
             "or int8 / int4 to requantize it")
+    experts = [n for n in types if ".experts." in n and types[n] not in FLOAT_TYPES]
+    if experts and strict:
+        raise WeightsError(
+            f"{source.path}: the experts ({source.stored_name(experts[0])}, {types[experts[0]]}) of a mixture of "
+            "experts have no block-quantized product yet: --quantization gguf cannot keep them. Pass "
+            "--quantization auto to run them dequantized (the rest in the file's blocks) or none")
     if not any(types[n] in KEPT_TYPES for n in weights):
         return None
+    if experts:
+        log.warning("the GGUF's %d expert tensors (%s, ...) run dequantized to %s: experts have no block-quantized "
+                    "product yet", len(experts), source.stored_name(experts[0]), dtype_name)
     if other:
         names = ", ".join(f"{source.stored_name(n)} ({types[n]})" for n in other[:4])
         log.warning("%d of the GGUF's %d product weights are in block types no kernel reads and run dequantized to "

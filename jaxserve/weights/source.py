@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class ModelSource:
             tensors = gguf_file.open_tensors(self._reader, self.config, self.path)
         else:
             tensors = safetensors_dir.open_tensors(self.files)
-        return split_fused(tensors, self.config)
+        return stack_experts(split_fused(tensors, self.config))
 
     @functools.cached_property
     def tensor_types(self) -> dict[str, str]:
@@ -137,6 +138,71 @@ def split_fused(tensors: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype
         del out[name]
         for part, (a, b) in parts:
             out[part] = (lambda load=load, a=a, b=b: load()[a:b], (b - a, *shape[1:]), dtype)
+    return out
+
+
+# Mixtral's names for its sparse MLP -> the Qwen-MoE names the model uses (mlp.gate, mlp.experts.N.*_proj).
+_MIXTRAL_NAMES = {"w1.": "gate_proj.", "w3.": "up_proj.", "w2.": "down_proj."}
+_EXPERT = re.compile(r"^(.*\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+_proj\.(?:weight|bias))$")
+
+
+class StackedExperts:
+    """Every expert's tensor of one projection as one lazy array [experts, out, in]: indexing reads
+    only the experts (and rows, columns) a device shard needs from the memory-mapped files."""
+
+    def __init__(self, parts: list[TensorSource]):
+        self.parts = parts
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        return np.stack([np.asarray(self.parts[e]()[rest]) for e in range(len(self.parts))[first]])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[(slice(None),)]
+        return out if dtype is None else out.astype(dtype)
+
+
+def _mixtral_name(name: str) -> str:
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".block_sparse_moe.", ".mlp.")
+    head, sep, leaf = name.rpartition(".experts.")
+    if sep:
+        index, _, rest = leaf.partition(".")
+        for old, new in _MIXTRAL_NAMES.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+        name = f"{head}.experts.{index}.{rest}"
+    return name
+
+
+def stack_experts(tensors: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]
+                  ) -> dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]]:
+    """`tensors` with a mixture-of-experts checkpoint's per-expert projections
+    (model.layers.L.mlp.experts.E.gate_proj.weight, Mixtral's block_sparse_moe.experts.E.w1.weight)
+    replaced by one stacked tensor per layer and projection (model.layers.L.mlp.experts.gate_proj.weight
+    [experts, out, in]), as the model holds them; a GGUF's are stacked in the file already."""
+    out: dict[str, tuple[TensorSource, tuple[int, ...], np.dtype]] = {}
+    groups: dict[str, dict[int, tuple[TensorSource, tuple[int, ...], np.dtype]]] = {}
+    for name, entry in tensors.items():
+        name = _mixtral_name(name)
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = entry
+        else:
+            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = entry
+    for name, experts in groups.items():
+        count = max(experts) + 1
+        missing = sorted(set(range(count)) - set(experts))
+        if missing:
+            head, _, proj = name.rpartition(".experts.")
+            raise WeightsError(f"tensor {head}.experts.{missing[0]}.{proj} is missing from the checkpoint "
+                               f"(it has experts up to {count - 1})")
+        shapes = {entry[1] for entry in experts.values()}
+        if len(shapes) != 1:
+            raise WeightsError(f"the experts of {name} differ in shape: {sorted(shapes)}")
+        parts = [experts[e][0] for e in range(count)]
+        out[name] = (lambda parts=parts: StackedExperts(parts), (count, *shapes.pop()), experts[0][2])
     return out
 
 

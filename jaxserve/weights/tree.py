@@ -21,7 +21,7 @@ from jaxserve.weights.source import ModelSource
 
 ParamPath = tuple[str | int, ...]  # dict keys from the root; list entries (layers) are ints
 ShardingFn = Callable[[ParamPath, tuple[int, ...]], jax.sharding.Sharding]
-# parameter path -> (checkpoint tensor name, transposed: the checkpoint stores it [out, in])
+# parameter path -> (checkpoint tensor name, transposed: the checkpoint stores it [.., out, in])
 NameFn = Callable[[ParamPath], tuple[str, bool]]
 
 
@@ -39,6 +39,12 @@ def set_leaf(tree: dict, path: ParamPath, value: Any) -> None:
 
 def path_name(path: ParamPath) -> str:
     return ".".join(map(str, path))
+
+
+def transpose_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A kernel's shape as the checkpoint stores it: the last two axes swapped ([in, out] of a
+    Linear, [experts, in, out] of stacked experts, stored [out, in] / [experts, out, in])."""
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 def single_device_sharding(path: ParamPath, shape: tuple[int, ...]) -> jax.sharding.Sharding:
@@ -72,7 +78,7 @@ def tensor_names(source: ModelSource, leaves: Iterable[tuple[ParamPath, Any]], n
         if name not in source.tensors:
             raise WeightsError(f"{source.path}: tensor {wanted} is missing from the checkpoint")
         shape = tuple(spec.shape)
-        want = shape[::-1] if transposed else shape
+        want = transpose_shape(shape) if transposed else shape
         got = source.tensors[name][1]
         if got != want:
             raise WeightsError(f"{source.path}: tensor {name} has shape {got}, the config implies {want}")
@@ -91,8 +97,11 @@ def array_from_tensor(source: ModelSource, name: str, transposed: bool, spec: An
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         w = source.tensors[name][0]()
-        w = w.T if transposed else w
-        return np.asarray(w[index], dtype=dtype)
+        if not transposed:
+            return np.asarray(w[index], dtype=dtype)
+        # Read the shard in the stored orientation (only its own rows and columns), then turn it.
+        stored = (*index[:-2], index[-1], index[-2])
+        return np.asarray(np.swapaxes(np.asarray(w[stored]), -1, -2), dtype=dtype)
 
     return jax.make_array_from_callback(tuple(spec.shape), sharding, shard)
 

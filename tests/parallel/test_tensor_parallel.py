@@ -20,8 +20,10 @@ pytestmark = pytest.mark.slow
 
 # llama3: GQA with 2 kv heads (replicated KV at TP 4 and 8); qwen2: tied embeddings and qkv biases;
 # gemma3: sliding windows with their own RoPE, q/k norms and sandwich norms (as gemma2, whose soft-caps
-# are elementwise). All have 4 q heads (replicated at TP 8).
-NAMES = ("llama3", "qwen2", "gemma3")
+# are elementwise); qwen3-moe: 8 routed experts (expert parallel at every size) and a dense layer;
+# qwen2-moe: 6 experts (expert parallel at TP 2, every expert's width split at 4 and 8) and a
+# shared expert. All have 4 q heads (replicated at TP 8).
+NAMES = ("llama3", "qwen2", "gemma3", "qwen3-moe", "qwen2-moe")
 SIZES = (1, 2, 4, 8)
 # Quantized weights at one size of each kind: unsplit, q heads split (as at 2), q heads replicated.
 QUANTIZED_SIZES = (1, 4, 8)
@@ -74,6 +76,8 @@ def test_greedy_output_is_the_same_at_every_tp_size(report, name):
 def test_parameters_and_kv_pages_are_split(report, name, tp):
     layout = report[name]["layout"][str(tp)]
     for label, (axis, dim) in SPLIT.items():
+        if label not in layout and TINY_CONFIGS[name][0].endswith("MoeConfig"):
+            continue  # every layer of the tiny qwen2-moe is sparse: no dense MLP to look at
         got = layout[label]
         assert got["devices"] == tp, label
         split = axis is not None and _size(name, axis) % tp == 0
@@ -83,6 +87,29 @@ def test_parameters_and_kv_pages_are_split(report, name, tp):
         assert got["shard_shapes"] == [want], f"{label} at TP {tp}"
         spec = got["spec"] + [None] * (len(got["shape"]) - len(got["spec"]))
         assert spec == [("model" if split and i == dim else None) for i in range(len(spec))], label
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("tp", SIZES[1:])
+def test_experts_are_split_whole_or_by_their_width(report, name, tp):
+    """Whole experts per device (expert parallel) where their number divides by the mesh, else a
+    slice of every expert (gate/up by columns, down by rows); the router is whole everywhere."""
+    layout = report[name]["layout"][str(tp)]
+    cfg = {**_BASE, **TINY_CONFIGS[name][1]}
+    experts, width = cfg["num_experts"], cfg["moe_intermediate_size"]
+    whole = experts % tp == 0
+    for label, dim in (("experts_gate", 2), ("experts_down", 1)):
+        got = layout[label]
+        want = list(got["shape"])
+        if whole:
+            want[0] //= tp
+        else:
+            want[dim] //= tp
+        assert got["shard_shapes"] == [want], f"{label} at TP {tp}"
+    assert layout["router"]["shard_shapes"] == [layout["router"]["shape"]]
+    line = (f"experts (expert parallel): experts {experts} split {experts // tp} per device" if whole else
+            f"every expert's gate/up/down: expert_mlp {width} split {width // tp} per device")
+    assert line in layout["plan"]
 
 
 def test_replication_is_explained(report):

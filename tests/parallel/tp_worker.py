@@ -58,6 +58,13 @@ INSPECT = {  # parameters whose layout the test checks
     "down_proj": ("layers", 1, "mlp", "down_proj", "kernel"),
     "input_layernorm": ("layers", 1, "input_layernorm", "weight"),
 }
+# A mixture of experts' layer 0 (sparse; the tiny qwen3-moe's layer 1 is dense): stacked experts
+# [experts, in, out] and the router.
+MOE_INSPECT = {
+    "experts_gate": ("layers", 0, "mlp", "experts", "gate_proj", "kernel"),
+    "experts_down": ("layers", 0, "mlp", "experts", "down_proj", "kernel"),
+    "router": ("layers", 0, "mlp", "gate", "kernel"),
+}
 
 
 def layout(array: jax.Array) -> dict:
@@ -102,11 +109,13 @@ def run(name: str, sizes: list[int], work: Path) -> dict:
         report["engine"][tp] = outputs
         pure = nnx.to_pure_dict(nnx.split(model)[1])
         entry = {}
-        for label, path in INSPECT.items():
+        inspect = {**INSPECT, **(MOE_INSPECT if model.cfg.moe else {})}
+        for label, path in inspect.items():
             node = pure
             for key in path:
-                node = node[key]
-            entry[label] = layout(node)
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:  # a sparse layer has no dense gate_proj / down_proj
+                entry[label] = layout(node)
         entry["kv_k"] = layout(engine.runner.kv.k)
         entry["collectives"] = sorted({shape for c in engine.runner.compiled_steps.values() for shape in collectives(c)})
         entry["param_shapes"] = sorted({tuple(a.shape) for a in jax.tree.leaves(pure)})

@@ -368,3 +368,26 @@ def test_a_weight_prefetched_into_vmem_counts_once(tpu_chip):
     once = (2 * 4096 + 4096 * 1024 + 2 * 1024) * 2
     assert bytes_accessed(compiled) > 3 * once
     assert hbm_bytes_accessed(compiled) == pytest.approx(once, rel=0.01)
+
+
+def test_experts_split_whole_read_their_floor(tpu_chip):
+    """Qwen3-30B-A3B's layers (4 of them, a small vocabulary) at TP 8 on v6e: the 128 experts are
+    split whole, 16 per chip (expert parallelism), and a decode step reads its weights once. Split
+    by their width instead, each chip's 96 of 768 columns are no whole TPU lane tile (128) and
+    XLA:TPU's ragged dot copied the gate and up kernels every step: 0.55-0.57 of the floor at 1-8
+    rows for the whole model (benchmarks/RESULTS.md)."""
+    from jaxserve.models.config import decoder_config_from_hf
+    from jaxserve.parallel import ShardingPlan
+    from jaxserve.plan import floor_ratio, plan, topology_mesh
+
+    tpu_chip("v6e:2x4")
+    cfg = decoder_config_from_hf(dict(_presets().PRESETS["qwen3-30b-a3b"], num_hidden_layers=4, vocab_size=4096))
+    assert ShardingPlan(topology_mesh("v6e:2x4", 8), cfg).rules == {
+        "heads": "model", "kv_heads": None, "mlp": "model", "vocab": "model", "experts": "model",
+        "expert_mlp": None, "shared_mlp": "model"}
+    p = plan(cfg, topology="v6e:2x4", tensor_parallel_size=8, max_model_len=512, max_num_seqs=8,
+             max_num_batched_tokens=512, max_prefill_seqs=4, num_pages=512, serving_compile=False,
+             decode_buckets=(8,), kinds=("decode",))
+    assert p.error is None, p.error
+    (step,) = p.steps
+    assert 0.9 <= floor_ratio(step) <= 1.05, (step.floor_bytes, step.bytes_accessed, step.sampler_bytes)

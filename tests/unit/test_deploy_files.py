@@ -38,6 +38,8 @@ EXPECTED = {  # preset -> key fields
                                       model="/models/Meta-Llama-3-70B-Instruct"),
     "tpu-v6e-8-gemma3-27b.yaml": dict(tp=8, distributed=False, dtype="bfloat16", max_num_seqs=64,
                                       model="/models/gemma-3-27b-it"),
+    "tpu-v6e-8-qwen3-30b-a3b.yaml": dict(tp=8, distributed=False, dtype="bfloat16", max_num_seqs=64,
+                                         model="/models/Qwen3-30B-A3B"),
     "tpu-v5e-16-llama3-70b.yaml": dict(tp=16, distributed=True, dtype="bfloat16",
                                        model="/models/Meta-Llama-3-70B-Instruct"),
     "tpu-v6e-16-llama3-70b.yaml": dict(tp=16, distributed=True, dtype="bfloat16",
