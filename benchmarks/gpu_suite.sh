@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_suite.sh [OUT_DIR [STEP...]]   # OUT_DIR: default $OUT (the device tool's) or benchmarks/out/gpu_suite
 #
 # STEPs: correctness kernels step_profile serving (default: all, ~20 minutes), and on request goals,
-# fp8_dots, kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
+# fp8_dots, moe (~1 minute: the mixture-of-experts grouped-matmul kernel against XLA's ragged dot),
+# kernels_fp8, step_profile_fp8 and serving_fp8: the same with an 8-bit KV cache (--kv-cache-dtype
 # fp8: it doubles the tokens that fit, so the concurrency-256 wave needs no preemption), and graphs:
 # the batch-1 step without and with the decode loop and the sampler's conds kept on the device
 # (XLA command buffers; for the served figure, `XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
@@ -93,7 +94,8 @@ if [[ -z "${DRY_RUN:-}" ]]; then
 fi
 if wanted correctness; then
   run correctness 180 "$py" -m pytest -q -p no:cacheprovider -x tests/kernels/test_pallas_kernels.py \
-    tests/kernels/test_engine_pallas.py tests/engine/test_step_memory.py -k "pallas_gpu or step_memory"
+    tests/kernels/test_engine_pallas.py tests/engine/test_step_memory.py tests/kernels/test_grouped_matmul.py \
+    -k "pallas_gpu or step_memory or grouped_matmul"
 fi
 if wanted kernels; then
   run kernels 240 "$py" -m benchmarks.kernels --batch 1 8 64 256 --context 2048 8192 --page-size 16 \
@@ -111,6 +113,12 @@ if wanted fp8_dots; then
   # one instruction per two values) against bfloat16 (one F2F more per value), 256 rows x 2048.
   run fp8_dots 150 "$py" -m benchmarks.kernels --batch 256 --context 2048 --page-size 16 --prefill-chunk \
     --repeats 10 --inner 10 --warmup 2 --cache-dtype fp8_e4m3 --skip-jax --out "$out/fp8_dots.json"
+fi
+if wanted moe; then
+  # The mixture-of-experts grouped product at Qwen3-30B-A3B's gate shape (128 experts of 2048 x 768,
+  # 8 a token): the Pallas Triton kernel against XLA:GPU's ragged dot (a dense product over every
+  # expert), 1 to 2048 tokens, against the floor of the routed experts' bytes (RESULTS.md).
+  run moe 150 "$py" -m benchmarks.moe_kernels --tokens 1 8 64 256 2048 --repeats 20 --out "$out/moe.json"
 fi
 if wanted kernels_fp8; then
   # 3 pipeline stages as well as 2: an 8-bit block holds half the bytes in flight of a bf16 one

@@ -6,8 +6,12 @@ probabilities. The tokens of a step are sorted by expert, so that each expert mu
 contiguous run of rows, and two implementations of that grouped product are chosen per platform
 when the step is lowered (`lax.platform_dependent`):
 
-  GPU, TPU   `lax.ragged_dot`: XLA's own grouped matmul (the ragged-dot instruction), which reads
-             each expert's weights once for all of its rows.
+  TPU        `lax.ragged_dot`: XLA:TPU's grouped matmul (a Mosaic kernel), which reads each
+             expert's weights once for all of its rows.
+  GPU        a Pallas Triton kernel (`pallas_kernels.gpu_grouped_matmul`): one program per tile of
+             one expert's rows, loading only that expert's weights. XLA:GPU rewrites `ragged_dot`
+             as one dense product over every expert (every expert read and multiplied for every
+             row), and that stays the fallback for widths the kernel does not tile.
   CPU        a loop over chunks of rows of one expert each (a `lax.while_loop` whose trip count is
              the step's real number of chunks): XLA:CPU lowers `ragged_dot` to a dense product
              with every expert masked (num_experts times the work, and a [experts, rows, in]
@@ -105,10 +109,21 @@ def _grouped_loop(x: Array, counts: Array, w: Array) -> Array:
     return out[:rows]
 
 
+def _grouped_triton(x: Array, counts: Array, w: Array) -> Array:
+    from pallas_kernels.gpu_grouped_matmul import grouped_matmul_gpu
+
+    return grouped_matmul_gpu(x, counts, w)
+
+
 def grouped_matmul(x: Array, counts: Array, w: Array) -> Array:
     """x [rows, in], its rows sorted by expert with counts [experts] rows each -> [rows, out], each
-    row times its expert's kernel (w [experts, in, out]); the implementation is the platform's."""
-    return jax.lax.platform_dependent(x, counts, w, cpu=_grouped_loop, default=_grouped_ragged)
+    row times its expert's kernel (w [experts, in, out]); rows past the last expert's are
+    unspecified. The implementation is the platform's: the loop on the CPU, the Pallas Triton
+    kernel on CUDA GPUs (where both widths are whole blocks of 16), XLA's ragged dot elsewhere."""
+    from pallas_kernels.gpu_grouped_matmul import supports
+
+    cuda = _grouped_triton if supports(w.shape[1], w.shape[2]) else _grouped_ragged
+    return jax.lax.platform_dependent(x, counts, w, cpu=_grouped_loop, cuda=cuda, default=_grouped_ragged)
 
 
 def _swiglu_experts(x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array,

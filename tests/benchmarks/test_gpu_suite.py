@@ -36,6 +36,7 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
                                                          "serving_fp8"]
     assert all("--cache-dtype fp8_e4m3" in line for line in fp8[:2])
     assert all("--kv-cache-dtype fp8" in line for line in fp8[2:])
+    assert [line.split("]")[0][1:] for line in _dry(tmp_path, "moe")] == ["moe"]
     # The short lease's first command: the served goals alone, inside one device command (10 min).
     [goals] = _dry(tmp_path, "goals")
     assert goals.startswith("[goals] timeout 560 bash benchmarks/gpu_serving.sh") and "--kv-cache-dtype fp8" in goals
@@ -44,7 +45,7 @@ def test_the_suite_runs_its_steps_in_order(tmp_path):
 def test_every_flag_it_passes_exists(tmp_path):
     """Each python -m module's --help names every flag the suite gives it (a renamed flag would
     otherwise only show on the GPU, in a lease)."""
-    for line in _dry(tmp_path) + _dry(tmp_path, "fp8_dots", "kernels_fp8", "step_profile_fp8", "graphs"):
+    for line in _dry(tmp_path) + _dry(tmp_path, "fp8_dots", "moe", "kernels_fp8", "step_profile_fp8", "graphs"):
         words = shlex.split(line.split("] ", 1)[1])
         if "-m" not in words or words[words.index("-m") + 1] == "pytest":
             continue

@@ -107,7 +107,8 @@ def cache_copies(hlo: str, cache_shape: str) -> int:
     return sum(1 for m in copies if cache_shape in m.group(1))
 
 
-def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str | None) -> dict:
+def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[int, ...], hlo_dir: str | None,
+                  prefix: str = "", only: tuple[int, ...] | None = None) -> dict:
     """The decode steps of `buckets` for model `cfg`, compiled for `tensor_parallel` cards of the
     `target` description (one host), and what the compiled programs say: per-device sizes, memory
     analysis, the decode loop's ops and kernels."""
@@ -155,9 +156,9 @@ def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[in
     }
     steps = {}
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        for rows in buckets:
+        for rows in only or buckets:
             key = ("decode", rows)
-            name = f"tp{tensor_parallel}-{rows}" if tensor_parallel > 1 else str(rows)
+            name = prefix + (f"tp{tensor_parallel}-{rows}" if tensor_parallel > 1 else str(rows))
             start = time.perf_counter()
             compiled = programs.lower(key, params, kv, batch, builder.abstract(key)).compile(
                 compiler_options=dict(GPU_COMPILER_OPTIONS))
@@ -171,6 +172,8 @@ def compile_steps(cfg: Any, target: str, tensor_parallel: int, buckets: tuple[in
                 "argument_bytes": ma.argument_size_in_bytes, "alias_bytes": ma.alias_size_in_bytes,
                 "loop": decode_loop(hlo, cache_shape), "cache_copies": cache_copies(hlo, cache_shape),
                 "triton_kernels": triton_kernels(hlo),
+                # What XLA:GPU made of any lax.ragged_dot (a dense product over every expert).
+                "ragged_dot_ops": hlo.count("ragged_dot"),
                 # The dtype the decode kernel dots in: its q operand's (it widens the cache to it).
                 "decode_dot_types": kernel_operand_types(hlo, "jaxserve_paged_decode", 4),
             }
@@ -190,7 +193,11 @@ def main() -> None:
     steps = {}
     for tensor_parallel, buckets in STEPS:
         steps.update(compile_steps(cfg, target, tensor_parallel, buckets, hlo_dir))
-    report = {"hbm_bytes": hbm, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "steps": steps}
+    # A mixture of experts: Qwen3-30B-A3B's layers, 4 of them, at batch 64 (8 experts a token).
+    moe = decoder_config_from_hf(dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=4))
+    steps.update(compile_steps(moe, target, 1, (1, 64), hlo_dir, prefix="moe-", only=(64,)))
+    report = {"hbm_bytes": hbm, "num_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "steps": steps,
+              "moe_layers": moe.num_layers, "moe_vocab_size": moe.vocab_size}
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
 
 

@@ -1,4 +1,5 @@
 """The engine's decode steps for a random-weight Llama-3-8B (fp8 KV cache, 8 iterations a step),
+and of Qwen3-30B-A3B's layers (4 of them: a mixture of experts),
 compiled by XLA:GPU for H100s on this GPU-less machine (gpu_aot_worker.py, in a subprocess with the
 CUDA plugin from .venv/cuda-aot): batch 1 and 64 on one card, and batch 64 split over two cards
 (tensor parallel). What makes a GPU decode step fast, checked on every commit, as tests/tpu_aot
@@ -56,7 +57,7 @@ def report(tmp_path_factory) -> dict:
 
 def test_compiled_for_an_h100(report):
     assert {step["device"] for step in report["steps"].values()} == {"NVIDIA H100 80GB HBM3"}
-    assert set(report["steps"]) == set(STEPS)
+    assert set(report["steps"]) == {*STEPS, "moe-64"}
     assert report["steps"]["tp2-64"]["devices"] == 2
 
 
@@ -104,3 +105,19 @@ def test_collectives_per_decode_iteration(report, key):
         assert 2 * report["num_layers"] <= all_reduces <= 2 * report["num_layers"] + 4, ops
     else:
         assert all_reduces == 0, ops
+
+
+def test_mixture_of_experts_decode_step(report):
+    """Qwen3-30B-A3B's layers (4 of them) at batch 64: each layer's experts are three launches of
+    the grouped-matmul kernel (gate, up, down), which load only the routed experts' weights;
+    XLA:GPU's ragged dot (a dense product over all 128 experts) is nowhere. The cache and batch
+    are updated in place and no weight is copied. Kernels per iteration as compiled on
+    2026-11-30 (172) plus headroom."""
+    step, layers = report["steps"]["moe-64"], report["moe_layers"]
+    assert step["triton_kernels"] == {"jaxserve_paged_decode": layers, "jaxserve_combine_splits": layers,
+                                      "jaxserve_grouped_matmul": 3 * layers}
+    assert step["ragged_dot_ops"] == 0
+    assert step["cache_copies"] == 0 and step["alias_bytes"] >= step["kv_bytes"] + step["batch_bytes"]
+    sampler = 16 * 64 * report["moe_vocab_size"] * 4
+    assert step["temp_bytes"] < 0.05 * step["layer_bytes"] + sampler, step["temp_bytes"]
+    assert step["loop"]["kernels"] <= 172 + 8 and step["loop"]["conditionals"] <= 2, step["loop"]

@@ -28,6 +28,7 @@ tests/gpu_aot runs that compile too, without a GPU, for the engine's whole decod
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -350,6 +351,38 @@ def test_step_lowers_for_cuda_with_the_cache_donated():
     assert module.count(TRITON_TARGET) == 1 and module.count("tf.aliasing_output") == 2
 
 
+# --- the mixture-of-experts grouped matmul ---
+
+# Qwen3-30B-A3B's experts: 128 of [2048 -> 768] (gate, up) and [768 -> 2048] (down); rows are
+# tokens x 8 routed experts (a decode step at batch 8 and a 2048-token prefill).
+MOE_SHAPES = {"gate-decode": (64, 128, 2048, 768), "down-decode": (64, 128, 768, 2048),
+              "gate-prefill": (16384, 128, 2048, 768)}
+
+
+def grouped_args(rows: int, experts: int, k: int, n: int) -> tuple[S, ...]:
+    return S((rows, k), BF16), S((experts,), jnp.int32), S((experts, k, n), BF16)
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_grouped_matmul_lowers_for_cuda_as_one_kernel(shape):
+    """The model's grouped product on CUDA is the Triton kernel: one launch over (tiles, column
+    blocks), its dots bf16 with float32 accumulation; no ragged dot is left for XLA:GPU to rewrite
+    as a dense product over every expert. TPUs keep XLA's ragged dot."""
+    from jaxserve.models.moe import grouped_matmul
+    from pallas_kernels.gpu_grouped_matmul import block_rows_for
+
+    rows, experts, k, n = MOE_SHAPES[shape]
+    lowered = lower_for_cuda(grouped_matmul, *grouped_args(rows, experts, k, n))
+    (call,) = triton_calls(lowered)
+    tiles = -(-rows // block_rows_for(rows, experts)) + min(experts, rows)
+    assert call.name == "jaxserve_grouped_matmul" and call.grid == (tiles, n // 128, 1)
+    assert re.search(r"tt\.dot .*bf16.* -> tensor<\d+x\d+xf32>", call.ttir), call.ttir[-2000:]
+    assert "ragged_dot" not in lowered.as_text()
+    with use_abstract_mesh(AbstractMesh((), (), abstract_device=H100)):
+        tpu = jax.jit(grouped_matmul).trace(*grouped_args(rows, experts, k, n)).lower(lowering_platforms=("tpu",))
+    assert "ragged_dot" in tpu.as_text()
+
+
 # --- the Triton IR compiled for sm_90 on the CPU (triton package's pipeline: a proxy for XLA's) ---
 
 COMPILE_CASES = {
@@ -360,7 +393,15 @@ COMPILE_CASES = {
     "decode-fp8-llama3-8b": lambda: (decode_fn(MODELS["llama3-8b"]),
                                      twice_the_pages(decode_args(MODELS["llama3-8b"], 16, 64, jnp.float8_e4m3fn))),
     **{f"ragged-{name}": (lambda m=m: (ragged_fn(m), ragged_args(m, 16))) for name, m in HEAD_SHAPES.items()},
+    **{f"grouped-{name}": (lambda shape=shape: (_grouped_fn(), grouped_args(*shape)))
+       for name, shape in MOE_SHAPES.items()},
 }
+
+
+def _grouped_fn():
+    from pallas_kernels.gpu_grouped_matmul import grouped_matmul_gpu
+
+    return functools.partial(grouped_matmul_gpu, interpret=False)
 
 
 @pytest.fixture(scope="module")
