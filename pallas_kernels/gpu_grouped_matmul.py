@@ -21,7 +21,6 @@ by zero).
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +56,13 @@ def supports(k: int, n: int) -> bool:
     return bool(_block(k, 64) and _block(n, 128))
 
 
-def validate_inputs(x: jax.Array, counts: jax.Array, w: jax.Array) -> None:
+def validate_inputs(x: jax.Array, counts: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> None:
     """Shapes and dtypes the kernel needs; raises ValueError naming the one that is off."""
+    if (w.dtype == jnp.int8) != (scale is not None):
+        raise ValueError(f"int8 weights need their scales and only they take scales; got w {w.dtype}, "
+                         f"scale {None if scale is None else scale.shape}")
+    if scale is not None and scale.shape != (w.shape[0], w.shape[2]):
+        raise ValueError(f"scale {scale.shape} must be [experts, N] = {(w.shape[0], w.shape[2])}")
     if x.ndim != 2 or w.ndim != 3 or counts.ndim != 1:
         raise ValueError(f"x [rows, K], counts [experts], w [experts, K, N]; got {x.shape}, {counts.shape}, {w.shape}")
     if x.shape[1] != w.shape[1] or counts.shape[0] != w.shape[0]:
@@ -69,14 +73,17 @@ def validate_inputs(x: jax.Array, counts: jax.Array, w: jax.Array) -> None:
         raise ValueError(f"w {w.shape}: K and N must each be a multiple of 16 (Triton's smallest dot)")
 
 
-def grouped_matmul_reference(x: jax.Array, counts: jax.Array, w: jax.Array) -> jax.Array:
-    """Each row times its expert's kernel, gathered per row (float32 accumulation); rows past
-    the last expert's are zero."""
+def grouped_matmul_reference(x: jax.Array, counts: jax.Array, w: jax.Array, scale: jax.Array | None = None
+                             ) -> jax.Array:
+    """Each row times its expert's kernel, gathered per row (float32 accumulation; int8 weights
+    times their scales [experts, N]); rows past the last expert's are zero."""
     rows = x.shape[0]
     ends = jnp.cumsum(counts)
     expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(rows), side="right"), w.shape[0] - 1)
-    out = jnp.einsum("rk,rkn->rn", x, w[expert], preferred_element_type=jnp.float32,
+    out = jnp.einsum("rk,rkn->rn", x, w[expert].astype(x.dtype), preferred_element_type=jnp.float32,
                      precision=dot_precision(x.dtype))
+    if scale is not None:
+        out = out * scale[expert]
     return jnp.where((jnp.arange(rows) < ends[-1])[:, None], out, 0).astype(x.dtype)
 
 
@@ -101,14 +108,15 @@ def _kernel(
     rows_ref,  # [1] int32: its rows (0: an empty tile past the step's)
     x_ref,  # [rows, K]: every row (the program loads its tile's)
     w_ref,  # [experts, K, block_n]: this column block of every expert (it loads its expert's)
-    o_ref,  # [rows, block_n]: this column block of every row (it stores its tile's)
-    *,
+    *refs,  # (scale_ref [experts, block_n] float32 of int8 weights,) o_ref [rows, block_n]: this
+    # column block of every row (it stores its tile's)
     block_rows: int,
     block_k: int,
     precision: jax.lax.Precision,
 ):
     from jax.experimental.pallas import triton as plt
 
+    scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     e, first, rows = expert_ref[0], first_ref[0], rows_ref[0]
 
     @pl.when(rows > 0)
@@ -118,22 +126,27 @@ def _kernel(
 
         def body(i, acc):
             xs = plt.load(x_ref.at[pl.ds(first, block_rows), pl.ds(i * block_k, block_k)], mask=mine, other=0)
-            ws = w_ref[e, pl.ds(i * block_k, block_k), :]
+            # int8 weights are widened after the load: memory moves one byte per weight.
+            ws = w_ref[e, pl.ds(i * block_k, block_k), :].astype(xs.dtype)
             return acc + jnp.dot(xs, ws, precision=precision, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, body, acc)
+        if scale_ref is not None:
+            acc = acc * scale_ref[e, :][None, :]
         plt.store(o_ref.at[pl.ds(first, block_rows), :], acc.astype(o_ref.dtype), mask=mine)
 
 
-def grouped_matmul_gpu(x: jax.Array, counts: jax.Array, w: jax.Array, *, block_rows: int | None = None,
-                       num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+def grouped_matmul_gpu(x: jax.Array, counts: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
+                       block_rows: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                       interpret: bool | None = None) -> jax.Array:
     """The kernel, with the reference's signature and result on the rows of every expert (rows
-    past the last expert's are unspecified)."""
+    past the last expert's are unspecified). scale: int8 weights' float32 scales [experts, N]
+    (w ~= w_int8 * scale per expert and column)."""
     from jax.experimental.pallas import triton as pl_triton
 
     from pallas_kernels.gpu_paged_attention import default_interpret
 
-    validate_inputs(x, counts, w)
+    validate_inputs(x, counts, w, scale)
     rows, k = x.shape
     experts, _, n = w.shape
     block_rows = block_rows or block_rows_for(rows, experts)
@@ -141,15 +154,16 @@ def grouped_matmul_gpu(x: jax.Array, counts: jax.Array, w: jax.Array, *, block_r
     num_tiles = -(-rows // block_rows) + min(experts, rows)
     expert, first, tile_rows = tile_table(counts, block_rows, num_tiles)
     scalar = pl.BlockSpec((1,), lambda t, j: (t,))
+    scales = [] if scale is None else [pl.BlockSpec((experts, block_n), lambda t, j: (0, j))]
     return pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, block_rows=block_rows, precision=dot_precision(x.dtype)),
         grid=(num_tiles, n // block_n),
         in_specs=[scalar, scalar, scalar,
                   pl.BlockSpec((rows, k), lambda t, j: (0, 0)),
-                  pl.BlockSpec((experts, k, block_n), lambda t, j: (0, 0, j))],
+                  pl.BlockSpec((experts, k, block_n), lambda t, j: (0, 0, j)), *scales],
         out_specs=pl.BlockSpec((rows, block_n), lambda t, j: (0, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype),
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=default_interpret() if interpret is None else interpret,
         name="jaxserve_grouped_matmul",
-    )(expert, first, tile_rows, x, w)
+    )(expert, first, tile_rows, x, w, *([] if scale is None else [scale.astype(jnp.float32)]))

@@ -75,6 +75,18 @@ def enable_compilation_cache(directory: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _expert_parallel(model: Decoder | None) -> None:
+    """A mixture of experts whose experts the sharding plan split whole over the devices runs them
+    expert-parallel (jaxserve.models.moe.shard_experts)."""
+    if model is None or model.cfg.moe is None:
+        return
+    mesh = mesh_of(nnx.state(model))
+    if mesh is not None and ShardingPlan(mesh, model.cfg).rules["experts"]:
+        from jaxserve.models.moe import shard_experts
+
+        shard_experts(model, mesh)
+
+
 def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
                  compile: bool = True, take_weights: bool = False, eos_ids: Iterable[int] = (),
                  blocks: Callable[[tuple], Any] | None = None, draft: Decoder | None = None,
@@ -103,11 +115,8 @@ def build_engine(decoder: Decoder, tokenizer: Tokenizer | None, config: EngineCo
     tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
     eos_ids = tuple(sorted(set(cfg.eos_token_ids) | set(eos_ids) | ({tokenizer_eos} - {None})))
     products.check_quantization_for(cfg, config.quantization)
-    mesh = mesh_of(nnx.state(decoder))
-    if cfg.moe is not None and mesh is not None and ShardingPlan(mesh, cfg).rules["experts"]:
-        from jaxserve.models.moe import shard_experts
-
-        shard_experts(decoder, mesh)
+    for model in (decoder, draft):
+        _expert_parallel(model)
     lora = _lora_slots(decoder, config.max_cpu_loras, config.lora_eviction_policy)
     builder = _input_builder(decoder, config, eos_ids, takes_embeds=encoder is not None or config.enable_prompt_embeds,
                              lora=lora)

@@ -38,8 +38,10 @@ from flax import nnx
 
 from jaxserve.models.config import DecoderConfig
 from jaxserve.models.layers import Linear, activation, zeros_param
+from jaxserve.models.products import ExpertInt8Weight
 
 Array = jax.Array
+Weights = Array | ExpertInt8Weight  # an expert projection's stacked kernels [experts, in, out]
 
 # Rows per chunk of the CPU loop, at most: large enough that a chunk's product is a real matmul,
 # small enough that an expert's last, partly empty chunk wastes little.
@@ -75,18 +77,30 @@ def _chunk_rows(rows: int, experts: int) -> int:
     return min(MAX_CHUNK, max(4, 1 << (per_expert - 1).bit_length()))
 
 
-def _grouped_ragged(x: Array, counts: Array, w: Array) -> Array:
-    # bfloat16 products are exact at any precision; asking for more (JAX_DEFAULT_MATMUL_PRECISION=
-    # highest) makes XLA:TPU's ragged-dot kernel take float32 operands, which Mosaic refuses.
-    half = x.dtype == w.dtype == jnp.bfloat16
-    return jax.lax.ragged_dot(x, w, counts, precision=jax.lax.Precision.DEFAULT if half else None)
+def _row_experts(counts: Array, rows: int) -> Array:
+    """The expert [rows] of each row sorted by expert (rows past the last expert's: the last)."""
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(counts), jnp.arange(rows), side="right"), counts.shape[0] - 1)
 
 
-def _grouped_loop(x: Array, counts: Array, w: Array) -> Array:
+def _grouped_ragged(x: Array, counts: Array, w: Weights) -> Array:
+    # bfloat16 (and int8) products are exact at any precision; asking for more
+    # (JAX_DEFAULT_MATMUL_PRECISION=highest) makes XLA:TPU's ragged-dot kernel take float32
+    # operands, which Mosaic refuses.
+    precision = jax.lax.Precision.DEFAULT if x.dtype == jnp.bfloat16 else None
+    if isinstance(w, ExpertInt8Weight):
+        # XLA:TPU's ragged dot takes the int8 values as they are (a convert before it would write
+        # a dequantized copy of every expert each step); each row is then scaled by its expert's.
+        y = jax.lax.ragged_dot(x, w.q, counts, precision=precision, preferred_element_type=jnp.float32)
+        return (y * w.scale[_row_experts(counts, x.shape[0])]).astype(x.dtype)
+    return jax.lax.ragged_dot(x, w, counts, precision=precision if w.dtype == x.dtype else None)
+
+
+def _grouped_loop(x: Array, counts: Array, w: Weights) -> Array:
     """x [rows, in] sorted by expert, counts [experts] -> x's rows times their expert's w [in, out]:
     one chunk of at most `_chunk_rows` rows of one expert per iteration, only as many iterations
     as the step has chunks."""
     rows, experts = x.shape[0], w.shape[0]
+    int8 = isinstance(w, ExpertInt8Weight)
     chunk = _chunk_rows(rows, experts)
     starts = jnp.cumsum(counts) - counts  # [experts] first sorted row of each
     chunks = (counts + chunk - 1) // chunk  # [experts]
@@ -94,12 +108,17 @@ def _grouped_loop(x: Array, counts: Array, w: Array) -> Array:
     x = jnp.pad(x, ((0, chunk), (0, 0)))  # a last chunk reads past the rows
     out = jnp.zeros((rows + chunk, w.shape[2]), x.dtype)
 
+    def product(xs: Array, e: Array) -> Array:
+        if not int8:
+            return jnp.dot(xs, w[e], preferred_element_type=jnp.float32)
+        return jnp.dot(xs, w.q[e].astype(xs.dtype), preferred_element_type=jnp.float32) * w.scale[e]
+
     def body(state: tuple[Array, Array]) -> tuple[Array, Array]:
         c, out = state
         e = jnp.searchsorted(chunk_end, c, side="right")
         first = starts[e] + (c - (chunk_end[e] - chunks[e])) * chunk
         xs = jax.lax.dynamic_slice_in_dim(x, first, chunk)
-        y = jnp.dot(xs, w[e], preferred_element_type=jnp.float32).astype(out.dtype)
+        y = product(xs, e).astype(out.dtype)
         # Rows past this expert's belong to the next one: keep what is (or will be) there.
         mine = (first + jnp.arange(chunk) < starts[e] + counts[e])[:, None]
         y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, first, chunk))
@@ -109,13 +128,15 @@ def _grouped_loop(x: Array, counts: Array, w: Array) -> Array:
     return out[:rows]
 
 
-def _grouped_triton(x: Array, counts: Array, w: Array) -> Array:
+def _grouped_triton(x: Array, counts: Array, w: Weights) -> Array:
     from pallas_kernels.gpu_grouped_matmul import grouped_matmul_gpu
 
+    if isinstance(w, ExpertInt8Weight):
+        return grouped_matmul_gpu(x, counts, w.q, scale=w.scale)
     return grouped_matmul_gpu(x, counts, w)
 
 
-def grouped_matmul(x: Array, counts: Array, w: Array) -> Array:
+def grouped_matmul(x: Array, counts: Array, w: Weights) -> Array:
     """x [rows, in], its rows sorted by expert with counts [experts] rows each -> [rows, out], each
     row times its expert's kernel (w [experts, in, out]); rows past the last expert's are
     unspecified. The implementation is the platform's: the loop on the CPU, the Pallas Triton
@@ -126,13 +147,13 @@ def grouped_matmul(x: Array, counts: Array, w: Array) -> Array:
     return jax.lax.platform_dependent(x, counts, w, cpu=_grouped_loop, cuda=cuda, default=_grouped_ragged)
 
 
-def _swiglu_experts(x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array,
+def _swiglu_experts(x: Array, weights: Array, ids: Array, gate: Weights, up: Weights, down: Weights,
                     act: Callable[[Array], Array], first: Array | int = 0) -> Array:
     """The weighted sum [tokens, hidden] float32 of what experts first .. first + len(gate) - 1
     (kernels gate, up [n, hidden, width], down [n, width, hidden]) give x's tokens routed to them
     (top-k weights and ids [tokens, k]); tokens' other experts add nothing."""
     tokens, k = ids.shape
-    num_experts = len(gate)
+    num_experts = gate.shape[0]
     flat = ids.reshape(-1) - first  # [tokens * k] expert of each token-slot, local
     mine = (flat >= 0) & (flat < num_experts)
     flat = jnp.where(mine, flat, num_experts)  # another device's: sorted last, never multiplied
@@ -154,14 +175,14 @@ def run_experts(x: Array, weights: Array, ids: Array, experts: Experts, act: Cal
     SwiGLU outputs [tokens, hidden] in x's dtype. mesh: the experts are split over its model axis
     (expert parallelism: each device holds whole experts): each device runs the tokens routed to
     its own and one all-reduce sums the devices' outputs (the same as tensor parallelism's)."""
-    kernels = (experts.gate_proj.kernel[...], experts.up_proj.kernel[...], experts.down_proj.kernel[...])
+    kernels = tuple(p.kernel.get_value() for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
     if mesh is None or mesh.size == 1:
         return _swiglu_experts(x, weights, ids, *kernels, act).astype(x.dtype)
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.parallel.mesh import MODEL_AXIS
 
-    def local(x: Array, weights: Array, ids: Array, gate: Array, up: Array, down: Array) -> Array:
+    def local(x: Array, weights: Array, ids: Array, gate: Weights, up: Weights, down: Weights) -> Array:
         first = jax.lax.axis_index(MODEL_AXIS) * gate.shape[0]
         return jax.lax.psum(_swiglu_experts(x, weights, ids, gate, up, down, act, first), MODEL_AXIS)
 

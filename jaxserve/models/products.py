@@ -20,11 +20,14 @@ structure and nothing is read from a trace-time setting.
                            blocks kept as they are (--quantization gguf on GPU / TPU)
   CpuGroupWeight           the same with the native kernel (`pallas_kernels.cpu_qmatmul`), the
                            values and scales packed in strips
+  ExpertInt8Weight         a mixture of experts' stacked kernels under --quantization int8
+                           (jaxserve.models.moe's grouped products read them; on any backend)
 
 Quantization rule (int8): every Linear kernel, and the LM head (the embedding when tied), per
 output channel (a kernel's column, a head's vocabulary row), symmetric, scale = max |w| / 127. An
 embedding table that is not the head stays in the model's dtype: a step looks up a few of its
-rows, so its bytes do not count; a tied one is looked up from the int8 head, dequantized.
+rows, so its bytes do not count; a tied one is looked up from the int8 head, dequantized. A
+mixture of experts' stacked kernels per expert and output channel (ExpertInt8Weight).
 
 Quantization rule (int4): every Linear kernel to 4-bit values in groups of `group` rows (32, 64 or
 128) along K, asymmetric (w ~= q * d + mn, q in 0..15, d and mn float16 per group and column);
@@ -85,6 +88,35 @@ class Int8Weight:
     def quantize(cls, w: Array, head: bool = False) -> Int8Weight:
         q, scale = _quantize(w, head)
         return cls(q, scale, head)
+
+
+@struct.dataclass
+class ExpertInt8Weight:
+    """A mixture of experts' stacked kernels [experts, K, N] (jaxserve.models.moe) under
+    --quantization int8: int8 values and a float32 scale per expert and output channel, w ~=
+    q * scale[expert, column]. The grouped products read the int8 values (XLA:TPU's ragged dot
+    and the GPU kernel take them as they are) and scale each row's result by its expert's
+    scales."""
+
+    q: Array  # int8 [experts, K, N]
+    scale: Array  # float32 [experts, N]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @classmethod
+    def quantize(cls, w: Array) -> ExpertInt8Weight:
+        return cls(*_quantize_experts(w))
+
+
+@jax.jit
+def _quantize_experts(w: Array) -> tuple[Array, Array]:
+    """Symmetric int8 per expert and output channel: scale = max |w| over K / 127."""
+    w = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=1) / 127.0  # [experts, N]
+    safe = jnp.where(scale == 0, 1.0, scale)
+    return jnp.clip(jnp.round(w / safe[:, None, :]), -127, 127).astype(jnp.int8), scale
 
 
 @struct.dataclass
@@ -306,6 +338,12 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
 
     def wrap(path: tuple, leaf: Any) -> Any:
         kind = _product_weight(path, head_path)
+        if kind is None and quantization == "int8" and _expert_kernel(path):
+            new = ExpertInt8Weight.quantize(leaf)
+            if consume:
+                jax.block_until_ready(new)
+                leaf.delete()
+            return new
         if kind is None:
             return leaf
         is_head = kind == "head"
@@ -330,6 +368,12 @@ def place(params: Any, backend: str, head_path: tuple[str, ...] | None = None, *
         return new
 
     return jax.tree_util.tree_map_with_path(wrap, params)
+
+
+def _expert_kernel(path: tuple) -> bool:
+    """Whether a parameter is a mixture of experts' stacked kernel [experts, K, N]."""
+    keys = _keys(path)
+    return keys[-1] == "kernel" and "experts" in keys
 
 
 def _keys(path: tuple) -> tuple:
@@ -371,11 +415,14 @@ def _divisible(sharding: Any, shape: tuple[int, ...]) -> Any:
 def _product_weight(path: tuple, head_path: tuple[str, ...] | None) -> str | None:
     """"head" for the LM head, "kernel" for a Linear kernel, None for a parameter that multiplies
     nothing (norms, biases, an untied embedding) or not as a Linear: a mixture of experts' stacked
-    kernels (jaxserve.models.moe) run in the model's dtype."""
+    kernels (jaxserve.models.moe, ExpertInt8Weight under int8) and its routers, which stay in the
+    model's dtype (as vLLM keeps them: a router's logits pick the experts, and a quantized router
+    picks others; its [hidden, experts] weights are a sliver of the step's bytes)."""
     keys = _keys(path)
     if keys == head_path:
         return "head"
-    return "kernel" if keys[-1] == "kernel" and "experts" not in keys else None
+    router = len(keys) >= 3 and keys[-3] == "mlp" and keys[-2] in ("gate", "shared_expert_gate")
+    return "kernel" if keys[-1] == "kernel" and "experts" not in keys and not router else None
 
 
 def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization: str, group: int = 32) -> Any:
@@ -389,6 +436,11 @@ def abstract_place(params: Any, head_path: tuple[str, ...] | None, quantization:
 
     def wrap(path: tuple, leaf: Any) -> Any:
         kind = _product_weight(path, head_path)
+        if kind is None and quantization == "int8" and _expert_kernel(path):
+            spec = tuple(leaf.sharding.spec) + (None,) * (3 - len(leaf.sharding.spec))
+            scales = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[2]))
+            return ExpertInt8Weight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8, sharding=leaf.sharding),
+                                    jax.ShapeDtypeStruct((leaf.shape[0], leaf.shape[2]), jnp.float32, sharding=scales))
         if kind is None:
             return leaf
         is_head = kind == "head"
@@ -418,11 +470,12 @@ def resolve_quantization(name: str, gguf_blocks: bool = False) -> str:
 
 
 def check_quantization_for(cfg: Any, quantization: str) -> None:
-    """Refuse --quantization int8 / int4 for a mixture-of-experts model: its experts (nearly all of
-    its weights) have no quantized form yet, and quantizing only the rest would be a quiet half."""
-    if getattr(cfg, "moe", None) is not None and quantization in ("int8", "int4"):
-        raise ValueError(f"--quantization {quantization} is not supported for {cfg.architecture} (a mixture of "
-                         "experts): its expert weights run in the model's dtype; pass --quantization none (or auto)")
+    """Refuse --quantization int4 for a mixture-of-experts model: its experts (nearly all of its
+    weights) have no 4-bit form yet, and quantizing only the rest would be a quiet half. int8
+    quantizes the experts too (ExpertInt8Weight)."""
+    if getattr(cfg, "moe", None) is not None and quantization == "int4":
+        raise ValueError(f"--quantization int4 is not supported for {cfg.architecture} (a mixture of experts): "
+                         "its experts have no 4-bit form yet; pass --quantization int8 (experts included) or none")
 
 
 def check_group_size(group: int) -> None:

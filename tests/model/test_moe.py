@@ -171,11 +171,51 @@ def test_refusals(tmp_path):
 
     make_tiny_model("mixtral", tmp_path)
     model = load_model(tmp_path, "float32", use_cache=False).model
-    for quantization in ("int8", "int4"):
-        with pytest.raises(ValueError, match=f"--quantization {quantization} is not supported for MixtralForCausalLM"):
-            products.check_quantization_for(model.cfg, quantization)
+    with pytest.raises(ValueError, match="--quantization int4 is not supported for MixtralForCausalLM"):
+        products.check_quantization_for(model.cfg, "int4")
+    products.check_quantization_for(model.cfg, "int8")
     with pytest.raises(ValueError, match="LoRA adapters are not supported for MixtralForCausalLM"):
         target_shapes(model)
+
+
+def test_int8_experts_in_the_engine(tmp_path):
+    """--quantization int8 quantizes the experts too (per expert and output channel): the engine's
+    greedy tokens equal the no-cache reference on the same quantized weights, whose logits stay
+    near the float model's."""
+    from flax import nnx
+
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.engine.build import EngineConfig, build_engine
+    from jaxserve.engine.core import run_to_completion
+    from jaxserve.engine.request import SamplingParams
+    from jaxserve.models import products
+    from jaxserve.models.reference import greedy_reference
+    from jaxserve.tokenizer import load_tokenizer
+    from tiny_models import save_tiny_tokenizer
+
+    make_tiny_model("qwen3-moe", tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    model = load_model(tmp_path, "float32", use_cache=False).model
+    graphdef, state = nnx.split(model)
+    placed = nnx.merge(graphdef, products.place(state, "xla", model.head_path, quantization="int8"))
+    experts = placed.layers[0].mlp.experts.down_proj.kernel.get_value()
+    assert isinstance(experts, products.ExpertInt8Weight) and experts.q.dtype == jnp.int8
+    assert experts.scale.shape == (8, 64)
+    float_logits, int8_logits = dense_logits(model, PROMPTS), dense_logits(placed, PROMPTS)
+    # Near on average; a token whose router sees a near tie may pick another expert (as a dense
+    # model's int8 logits drift, a routed one's jump there), so not bounded at every position.
+    assert np.abs(int8_logits - float_logits).mean() < 0.02 * np.abs(float_logits).max()
+    assert (int8_logits.argmax(-1) == float_logits.argmax(-1)).mean() >= 0.9
+    expected = greedy_reference(placed, PROMPTS, 12)
+    config = EngineConfig(cache=CacheConfig(page_size=4, num_pages=32), quantization="int8",
+                          scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_prefill_seqs=2,
+                                                    max_model_len=48, decode_buckets=(2,)))
+    engine = build_engine(model, load_tokenizer(tmp_path), config)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    results = run_to_completion(engine, [str(i) for i in range(len(PROMPTS))])
+    assert [results[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
 
 
 def test_a_missing_expert_is_named(tmp_path):

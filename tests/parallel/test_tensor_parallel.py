@@ -112,6 +112,14 @@ def test_experts_are_split_whole_or_by_their_width(report, name, tp):
     assert line in layout["plan"]
 
 
+def test_int8_experts_split_whole(report):
+    """--quantization int8 on the tiny qwen3-moe: its experts' int8 values and scales split whole
+    over 4 devices give the no-cache reference's tokens on the same quantized weights."""
+    quantized = report["int8-moe"]
+    for tp in ("1", "4"):
+        assert quantized["engine"][tp] == quantized["reference"], f"int8 experts at TP {tp}"
+
+
 def test_replication_is_explained(report):
     plan = report["llama3"]["layout"]["4"]["plan"]
     assert "k/v projections and KV cache: REPLICATED on every device (kv_heads 2 is not divisible by 4)" in plan

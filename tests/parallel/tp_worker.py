@@ -183,6 +183,8 @@ def main() -> None:
     report["startup"] = startup_and_orbax(work, names[0], sizes[-1])
     report["int8"] = quantized(names[0], quantized_sizes, work, "int8")
     report["int4"] = quantized(names[0], quantized_sizes, work, "int4")
+    if "qwen3-moe" in names:  # int8 experts, split whole over 4 devices (expert parallel)
+        report["int8-moe"] = quantized("qwen3-moe", [1, 4], work, "int8")
     Path(out).write_text(json.dumps(report))
 
 
