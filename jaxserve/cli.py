@@ -211,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "a weight. int4 quantizes the Linear kernels to 4 bits in groups of --quantization-group-size "
                    "rows (asymmetric: float16 scale and minimum per group) and the LM head to int8. The native "
                    "CPU kernels read int8 and 4-bit bytes, XLA's dot (GPU, TPU) reads int8 ones; with int4 or "
-                   "gguf it dequantizes each weight per step (less memory, not more speed). Generation models "
-                   "only")
+                   "gguf it dequantizes each weight per step (less memory, not more speed). A mixture of "
+                   "experts (Mixtral, Qwen-MoE): int8 quantizes the experts too, per expert and output channel "
+                   "(the routers stay in --dtype); int4 is refused, and so is gguf where the file's experts are "
+                   "block-quantized (auto runs them dequantized). Generation models only")
     e.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="rows (input features) per scale and minimum for --quantization int4: 32 is the most "
                    "accurate (GGUF Q4_1's blocks), 128 the smallest (0.25 bits a weight of scales instead of 1)")
