@@ -24,9 +24,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels._common import dot_precision
+
+# Pallas is imported by the kernel only: the model's CPU loop imports this module for its tile table.
 
 MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
 MAX_BLOCK_ROWS = 64
@@ -79,12 +80,22 @@ def grouped_matmul_reference(x: jax.Array, counts: jax.Array, w: jax.Array, scal
     times their scales [experts, N]); rows past the last expert's are zero."""
     rows = x.shape[0]
     ends = jnp.cumsum(counts)
-    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(rows), side="right"), w.shape[0] - 1)
+    expert = row_experts(counts, rows)
     out = jnp.einsum("rk,rkn->rn", x, w[expert].astype(x.dtype), preferred_element_type=jnp.float32,
                      precision=dot_precision(x.dtype))
     if scale is not None:
         out = out * scale[expert]
     return jnp.where((jnp.arange(rows) < ends[-1])[:, None], out, 0).astype(x.dtype)
+
+
+def row_experts(counts: jax.Array, rows: int) -> jax.Array:
+    """The expert [rows] of each row sorted by expert (rows past the last expert's: the last)."""
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(counts), jnp.arange(rows), side="right"), counts.shape[0] - 1)
+
+
+def num_tiles_for(rows: int, experts: int, block_rows: int) -> int:
+    """The static bound on a step's tiles: every row in full tiles, plus a partial one per expert."""
+    return -(-rows // block_rows) + min(experts, rows)
 
 
 def tile_table(counts: jax.Array, block_rows: int, num_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -114,6 +125,7 @@ def _kernel(
     block_k: int,
     precision: jax.lax.Precision,
 ):
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     scale_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
@@ -142,6 +154,7 @@ def grouped_matmul_gpu(x: jax.Array, counts: jax.Array, w: jax.Array, scale: jax
     """The kernel, with the reference's signature and result on the rows of every expert (rows
     past the last expert's are unspecified). scale: int8 weights' float32 scales [experts, N]
     (w ~= w_int8 * scale per expert and column)."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pl_triton
 
     from pallas_kernels.gpu_paged_attention import default_interpret
@@ -151,7 +164,7 @@ def grouped_matmul_gpu(x: jax.Array, counts: jax.Array, w: jax.Array, scale: jax
     experts, _, n = w.shape
     block_rows = block_rows or block_rows_for(rows, experts)
     block_k, block_n = _block(k, 64), _block(n, 128)
-    num_tiles = -(-rows // block_rows) + min(experts, rows)
+    num_tiles = num_tiles_for(rows, experts, block_rows)
     expert, first, tile_rows = tile_table(counts, block_rows, num_tiles)
     scalar = pl.BlockSpec((1,), lambda t, j: (t,))
     scales = [] if scale is None else [pl.BlockSpec((experts, block_n), lambda t, j: (0, j))]

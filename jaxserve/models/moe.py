@@ -39,6 +39,7 @@ from flax import nnx
 from jaxserve.models.config import DecoderConfig
 from jaxserve.models.layers import Linear, activation, zeros_param
 from jaxserve.models.products import ExpertInt8Weight
+from pallas_kernels.gpu_grouped_matmul import num_tiles_for, row_experts, supports, tile_table
 
 Array = jax.Array
 Weights = Array | ExpertInt8Weight  # an expert projection's stacked kernels [experts, in, out]
@@ -77,11 +78,6 @@ def _chunk_rows(rows: int, experts: int) -> int:
     return min(MAX_CHUNK, max(4, 1 << (per_expert - 1).bit_length()))
 
 
-def _row_experts(counts: Array, rows: int) -> Array:
-    """The expert [rows] of each row sorted by expert (rows past the last expert's: the last)."""
-    return jnp.minimum(jnp.searchsorted(jnp.cumsum(counts), jnp.arange(rows), side="right"), counts.shape[0] - 1)
-
-
 def _grouped_ragged(x: Array, counts: Array, w: Weights) -> Array:
     # bfloat16 (and int8) products are exact at any precision; asking for more
     # (JAX_DEFAULT_MATMUL_PRECISION=highest) makes XLA:TPU's ragged-dot kernel take float32
@@ -91,7 +87,7 @@ def _grouped_ragged(x: Array, counts: Array, w: Weights) -> Array:
         # XLA:TPU's ragged dot takes the int8 values as they are (a convert before it would write
         # a dequantized copy of every expert each step); each row is then scaled by its expert's.
         y = jax.lax.ragged_dot(x, w.q, counts, precision=precision, preferred_element_type=jnp.float32)
-        return (y * w.scale[_row_experts(counts, x.shape[0])]).astype(x.dtype)
+        return (y * w.scale[row_experts(counts, x.shape[0])]).astype(x.dtype)
     return jax.lax.ragged_dot(x, w, counts, precision=precision if w.dtype == x.dtype else None)
 
 
@@ -102,9 +98,8 @@ def _grouped_loop(x: Array, counts: Array, w: Weights) -> Array:
     rows, experts = x.shape[0], w.shape[0]
     int8 = isinstance(w, ExpertInt8Weight)
     chunk = _chunk_rows(rows, experts)
-    starts = jnp.cumsum(counts) - counts  # [experts] first sorted row of each
-    chunks = (counts + chunk - 1) // chunk  # [experts]
-    chunk_end = jnp.cumsum(chunks)  # chunks before and of each expert
+    # The GPU kernel's tiles, walked in order: (expert, first row, rows) of each chunk.
+    expert, first, chunk_rows = tile_table(counts, chunk, num_tiles_for(rows, experts, chunk))
     x = jnp.pad(x, ((0, chunk), (0, 0)))  # a last chunk reads past the rows
     out = jnp.zeros((rows + chunk, w.shape[2]), x.dtype)
 
@@ -115,16 +110,16 @@ def _grouped_loop(x: Array, counts: Array, w: Weights) -> Array:
 
     def body(state: tuple[Array, Array]) -> tuple[Array, Array]:
         c, out = state
-        e = jnp.searchsorted(chunk_end, c, side="right")
-        first = starts[e] + (c - (chunk_end[e] - chunks[e])) * chunk
-        xs = jax.lax.dynamic_slice_in_dim(x, first, chunk)
-        y = product(xs, e).astype(out.dtype)
+        xs = jax.lax.dynamic_slice_in_dim(x, first[c], chunk)
+        y = product(xs, expert[c]).astype(out.dtype)
         # Rows past this expert's belong to the next one: keep what is (or will be) there.
-        mine = (first + jnp.arange(chunk) < starts[e] + counts[e])[:, None]
-        y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, first, chunk))
-        return c + 1, jax.lax.dynamic_update_slice_in_dim(out, y, first, 0)
+        mine = (jnp.arange(chunk) < chunk_rows[c])[:, None]
+        y = jnp.where(mine, y, jax.lax.dynamic_slice_in_dim(out, first[c], chunk))
+        return c + 1, jax.lax.dynamic_update_slice_in_dim(out, y, first[c], 0)
 
-    _, out = jax.lax.while_loop(lambda s: s[0] < chunk_end[-1], body, (jnp.int32(0), out))
+    # Every chunk with rows comes before the empty ones: as many iterations as the step has chunks.
+    used = jnp.sum(chunk_rows > 0)
+    _, out = jax.lax.while_loop(lambda s: s[0] < used, body, (jnp.int32(0), out))
     return out[:rows]
 
 
@@ -141,8 +136,6 @@ def grouped_matmul(x: Array, counts: Array, w: Weights) -> Array:
     row times its expert's kernel (w [experts, in, out]); rows past the last expert's are
     unspecified. The implementation is the platform's: the loop on the CPU, the Pallas Triton
     kernel on CUDA GPUs (where both widths are whole blocks of 16), XLA's ragged dot elsewhere."""
-    from pallas_kernels.gpu_grouped_matmul import supports
-
     cuda = _grouped_triton if supports(w.shape[1], w.shape[2]) else _grouped_ragged
     return jax.lax.platform_dependent(x, counts, w, cpu=_grouped_loop, cuda=cuda, default=_grouped_ragged)
 
