@@ -91,10 +91,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny_model(name: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Build, randomise and save (safetensors) the tiny model `name`; returns the float32 HF model."""
+def make_tiny_model(name: str, directory: Path, seed: int = 0, **changes: Any) -> transformers.PreTrainedModel:
+    """Build, randomise and save (safetensors) the tiny model `name`, its config with `changes`;
+    returns the float32 HF model."""
     cls_name, overrides = TINY_CONFIGS[name]
-    config = getattr(transformers, cls_name)(**{**_BASE, **overrides})
+    config = getattr(transformers, cls_name)(**{**_BASE, **overrides, **changes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     randomize_weights(model)

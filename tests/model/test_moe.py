@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jaxserve.models.moe import _chunk_rows, _grouped_loop, grouped_matmul, rout
 from jaxserve.weights import load_model
 from jaxserve.weights.safetensors_dir import WeightsError
 from tiny_gguf import write_gguf
-from tiny_models import _BASE, TINY_CONFIGS, dense_logits, make_tiny_model, randomize_weights
+from tiny_models import dense_logits, make_tiny_model
 
 PROMPTS = [[1, 17, 99, 5, 200, 33, 7, 250, 12, 64, 3, 18], [1, 42]]
 
@@ -105,18 +104,11 @@ def test_ragged_dot_lowers_for_gpus_and_tpus_and_the_loop_for_cpus():
     assert "while" in cpu and "ragged_dot" not in cpu
 
 
-CLASSES = {"mixtral": "MixtralConfig", "qwen2-moe": "Qwen2MoeConfig", "qwen3-moe": "Qwen3MoeConfig"}
 GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
 
 
 def _tiny(name: str, directory, **extra):
-    overrides = {**TINY_CONFIGS[name][1], **extra}
-    config = getattr(transformers, CLASSES[name])(**{**_BASE, **overrides})
-    torch.manual_seed(2)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    randomize_weights(model)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    return make_tiny_model(name, directory, seed=2, **extra)
 
 
 def _assert_hf_logits(decoder, hf) -> None:
